@@ -1,0 +1,50 @@
+"""Algorithms: one module per method, all through the protocol in ``base``.
+
+``build(name, params)`` makes one from the config; ``REGISTRY`` lists them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..errors import UsageError
+from .base import REGISTRY, Algorithm, ClientTask, RoundContext, Upload, params_table, register
+from . import fedavg, fedprox  # noqa: F401  (fill the registry)
+
+
+def _lookup(name: str) -> type[Algorithm]:
+    if name not in REGISTRY:
+        raise UsageError(f"config field algorithm.name: {name!r} is not allowed; "
+                         f"choose one of {', '.join(sorted(REGISTRY))}")
+    return REGISTRY[name]
+
+
+def check_params(name: str, params: dict) -> None:
+    build(name, params)
+
+
+def build(name: str, params: dict) -> Algorithm:
+    """The algorithm ``name`` with ``params`` checked against its Params dataclass."""
+    cls = _lookup(name)
+    fields = {f.name: f for f in dataclasses.fields(cls.Params)}
+    for key, value in params.items():
+        if key not in fields:
+            allowed = ", ".join(fields) or "none"
+            raise UsageError(f"config field algorithm.{key}: {name} has no such parameter; "
+                             f"allowed: {allowed}")
+        _check_type(f"algorithm.{key}", value, fields[key].default)
+    return cls(cls.Params(**params))
+
+
+def _check_type(field: str, value, default) -> None:
+    """A parameter must have the type of its default (ints are accepted for floats)."""
+    kind = type(default)
+    ok = isinstance(value, kind) and not (isinstance(value, bool) and kind is not bool)
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        ok = True
+    if not ok:
+        raise UsageError(f"config field {field}: expected {kind.__name__}, got {value!r}")
+
+
+__all__ = ["REGISTRY", "Algorithm", "ClientTask", "RoundContext", "Upload", "build",
+           "check_params", "params_table", "register"]

@@ -1,0 +1,172 @@
+"""The algorithm protocol: what an FL method fills in; the runtime owns the loop.
+
+A round (DESIGN.md section 3) is one or more *phases*; each phase is the same pattern::
+
+    server:  participants = phase_participants(state, phase, sampled)
+             payload      = payload(state, ctx)                 -> Bcast to workers
+    worker:  for each assigned client (state from the client store, if declared):
+                 upload = local_update(task, payload, client_state, ctx)
+                 sums  += contribution(upload)                  (pre-aggregated per worker)
+                 rows  += gather(upload)                        (per client, small)
+    server:  sums <- Reduce, rows <- Gatherv, client states <- Gatherv
+             server_update(state, sums, rows, ctx)
+
+How each shape of method fits (the next algorithms are written against this):
+
+- extra payload vectors (SCAFFOLD's c, FedCM's momentum, FedACG's lookahead): ``payload``
+  returns more named flat tensors; ``traffic`` declares them so the FL ledger counts them.
+- per-client persistent state (SCAFFOLD c_i, FedDyn grad_i, MOON previous model):
+  ``client_state_sizes`` declares named vectors; the runtime keeps them in a store keyed by
+  client id (on the server's host), hands them to whichever rank trains the client and
+  takes the new values back, so placement never changes what a client does.
+- per-client gathered scalars/vectors (FedNova's a_i, FNR-FL's accuracies and feature
+  norms): ``gather_sizes`` declares them; ``server_update`` receives them per client in
+  client-id order.
+- multi-phase rounds (FNR-FL: train, then refine the worst clients): ``phases`` names
+  them; ``phase_participants`` picks who takes part in each from the server state.
+- server state (momentum, Adam moments, control variate c): ``init_server_state`` returns
+  named tensors next to the global model ``x``; checkpointing saves the dict as it is.
+
+tests/test_protocol.py exercises all five with a toy algorithm on quadratic clients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Iterator
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class RoundContext:
+    """Everything a hook may read about the current round; immutable."""
+
+    round: int
+    phase: str
+    lr: float                 # eta_l^t
+    lr_prev: float            # eta_l^{t-1} (= lr / decay), for gradient-unit momentum
+    global_lr: float          # eta_g
+    weight_decay: float
+    clip_norm: float          # 0 = no clipping
+    local_epochs: int
+    batch_size: int
+    num_clients: int          # N
+    participants: tuple[int, ...]  # the clients taking part in this phase, ascending
+    seed: int
+
+
+class ClientData:
+    """A client's samples as seen by its local update: an index set into the worker's
+    tensors, batched and augmented on the device by the runtime."""
+
+    num_samples: int
+
+    def batches(self, epochs: int, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        raise NotImplementedError
+
+    def num_steps(self, epochs: int, batch_size: int) -> int:
+        return epochs * -(-self.num_samples // batch_size)
+
+
+@dataclass
+class ClientTask:
+    """One client's turn on a worker: its id, its data, and the worker's flat model."""
+
+    client: int
+    data: ClientData
+    model: Any                # fedmpi.flat.FlatModel
+    device: torch.device
+
+
+@dataclass
+class Upload:
+    """What a local update produced. ``delta`` = x_K - x_0 (model space)."""
+
+    delta: torch.Tensor
+    num_samples: int
+    loss: float
+    steps: int
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    state: dict[str, torch.Tensor] | None = None   # new persistent client state
+
+
+@dataclass(frozen=True)
+class Params:
+    """Base of every algorithm's frozen parameter dataclass."""
+
+
+class Algorithm:
+    """Base class: FedAvg behaviour in every hook, so a method overrides only what differs."""
+
+    name: ClassVar[str] = ""
+    paper: ClassVar[str] = ""
+    Params: ClassVar[type] = Params
+    phases: ClassVar[tuple[str, ...]] = ("train",)
+
+    def __init__(self, params: Params | None = None):
+        self.params = params if params is not None else self.Params()
+
+    # ---- declarations (sizes in values of the wire dtype, per client) ----
+    def traffic(self, d: int, phase: str) -> tuple[int, int]:
+        """(values downloaded, values uploaded) by one participating client in ``phase``."""
+        return d, d
+
+    def client_state_sizes(self, d: int) -> dict[str, int]:
+        return {}
+
+    def gather_sizes(self, d: int) -> dict[str, int]:
+        return {}
+
+    def contribution_sizes(self, d: int) -> dict[str, int]:
+        return {"delta": d, "weight": 1}
+
+    # ---- server side ----
+    def init_server_state(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"x": x.clone()}
+
+    def phase_participants(self, state, phase: str, sampled: np.ndarray) -> np.ndarray:
+        return sampled
+
+    def payload(self, state, ctx: RoundContext) -> dict[str, torch.Tensor]:
+        return {"x": state["x"]}
+
+    def server_update(self, state, sums: dict[str, torch.Tensor],
+                      gathered: dict[str, np.ndarray], ctx: RoundContext) -> None:
+        """x <- x + eta_g * sum_i n_i Delta_i / sum_i n_i (n_i-weighted, ALGORITHMS.md 3)."""
+        state["x"].add_(sums["delta"], alpha=ctx.global_lr / float(sums["weight"]))
+
+    def eval_params(self, state) -> torch.Tensor:
+        return state["x"]
+
+    def diagnostics(self, state, sums, gathered, ctx) -> dict[str, float]:
+        """Extra per-round numbers for the results file (name -> value)."""
+        return {}
+
+    # ---- client side ----
+    def local_update(self, task: ClientTask, payload, client_state, ctx: RoundContext) -> Upload:
+        raise NotImplementedError
+
+    def contribution(self, upload: Upload) -> dict[str, torch.Tensor]:
+        n = float(upload.num_samples)
+        return {"delta": upload.delta * n,
+                "weight": torch.tensor([n], dtype=upload.delta.dtype, device=upload.delta.device)}
+
+    def gather(self, upload: Upload) -> dict[str, torch.Tensor]:
+        return {}
+
+
+REGISTRY: dict[str, type[Algorithm]] = {}
+
+
+def register(cls: type[Algorithm]) -> type[Algorithm]:
+    """Class decorator: make an algorithm selectable by ``algorithm.name``."""
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+def params_table(cls: type[Algorithm]) -> list[tuple[str, Any, str]]:
+    """(name, default, one-line doc) of each parameter, from the field metadata ``doc``."""
+    return [(f.name, f.default, f.metadata.get("doc", "")) for f in dataclasses.fields(cls.Params)]

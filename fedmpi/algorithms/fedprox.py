@@ -1,0 +1,36 @@
+"""FedProx: Federated Optimization in Heterogeneous Networks.
+
+Li et al., MLSys 2020, https://arxiv.org/abs/1812.06127
+
+FedAvg whose local loss adds (mu/2) ||w - x^t||^2, i.e. the gradient gains mu (w - x^t)
+before clipping. Server and messages as FedAvg (d down, d up).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from . import local_sgd
+from .base import Params, register
+from .fedavg import FedAvg
+
+
+def proximal(mu: float, anchor):
+    """Gradient correction of (mu/2)||w - anchor||^2: g += mu (w - anchor)."""
+    def correct(grads, params):
+        grads.add_(params, alpha=mu).sub_(anchor, alpha=mu)
+    return correct
+
+
+@register
+class FedProx(FedAvg):
+    name = "fedprox"
+    paper = "Li et al. 2020, arXiv:1812.06127"
+
+    @dataclass(frozen=True)
+    class Params(Params):
+        mu: float = field(default=0.01, metadata={"doc": "proximal weight mu (paper grid 0.001-1)"})
+
+    def local_update(self, task, payload, client_state, ctx):
+        x = payload["x"]
+        return local_sgd.local_update(task, x, ctx, proximal(self.params.mu, x))

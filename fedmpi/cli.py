@@ -1,0 +1,134 @@
+"""The ``fedmpi`` command: thin click commands over the library.
+
+Bad input of any kind is one line on stderr and exit code 2, before any MPI work and
+without touching an existing results file.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+import click
+
+from .errors import UsageError
+
+EXIT_USAGE, EXIT_FAILED = 2, 1
+
+
+def _launcher_rank() -> int:
+    for name in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 0
+
+
+def one_line_errors(command):
+    """Turn UsageError into 'fedmpi: <message>' and exit 2 (printed by rank 0 only)."""
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except UsageError as exc:
+            if _launcher_rank() == 0:
+                click.echo(f"fedmpi: {exc}", err=True)
+            sys.exit(EXIT_USAGE)
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="fedmpi")
+def main():
+    """fedmpi: federated-learning experiments on MPI, results in one HDF5 file."""
+
+
+def _config_options(command):
+    command = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+                           help="Override a config field, e.g. --set train.lr=0.1 (repeatable).")(command)
+    command = click.option("--preset", metavar="NAME",
+                           help="A named preset (see `fedmpi presets`); default: 'default'.")(command)
+    return click.argument("config_file", required=False, type=click.Path(dir_okay=False))(command)
+
+
+def _resolve(config_file, preset, overrides, output=None):
+    from . import config as cfg
+
+    overrides = list(overrides) + ([f"output={_toml_string(output)}"] if output else [])
+    return cfg.resolve(config_file, preset, overrides)
+
+
+def _toml_string(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+@main.command()
+@_config_options
+@click.option("-o", "--output", metavar="PATH", help="Results file (same as --set output=PATH).")
+@click.option("--force", is_flag=True, help="Overwrite an existing results file.")
+@click.option("-q", "--quiet", is_flag=True, help="No per-round progress lines.")
+@one_line_errors
+def run(config_file, preset, overrides, output, force, quiet):
+    """Run an experiment: CONFIG_FILE (TOML) or --preset, single process or under mpirun."""
+    config = _resolve(config_file, preset, overrides, output)
+    path = config.output_path()
+    if path.exists() and not force:
+        raise UsageError(f"results file {path} exists; pass --force to overwrite it "
+                         f"or choose another with -o/--output")
+    from .runtime import run_experiment
+
+    experiment = run_experiment(config, force=force, quiet=quiet)
+    if experiment.comm.is_server:
+        if experiment.diverged:
+            click.echo(f"fedmpi: run diverged; results so far in {path}", err=True)
+            sys.exit(EXIT_FAILED)
+        if not quiet:
+            click.echo(f"results: {path}")
+
+
+@main.command("config")
+@_config_options
+@one_line_errors
+def show_config(config_file, preset, overrides):
+    """Print the resolved config (file or preset + overrides) as TOML."""
+    from .config import to_toml
+
+    click.echo(to_toml(_resolve(config_file, preset, overrides).to_dict()), nl=False)
+
+
+@main.command()
+def presets():
+    """List the named presets."""
+    from .config import presets as names
+
+    for name in names():
+        click.echo(name)
+
+
+@main.command()
+def algorithms():
+    """List the algorithms with their parameters and defaults."""
+    from .algorithms import REGISTRY, params_table
+
+    for name in sorted(REGISTRY):
+        cls = REGISTRY[name]
+        click.echo(f"{name}  ({cls.paper})")
+        doc = (cls.__module__ and sys.modules[cls.__module__].__doc__ or "").strip().splitlines()
+        if doc:
+            click.echo(f"    {doc[0]}")
+        for field, default, help_text in params_table(cls):
+            click.echo(f"    algorithm.{field} = {default!r}    {help_text}")
+
+
+@main.command()
+@click.argument("files", nargs=-1, required=True, type=click.Path())
+@one_line_errors
+def report(files):
+    """Summarise results files: config, accuracy, traffic, time per round."""
+    from .report import summarize
+
+    click.echo("\n\n".join(summarize(f) for f in files))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""The communication interface every rank talks through, and its byte ledger.
+
+Collectives move flat buffers (numpy arrays or CPU torch tensors) and small picklable
+objects. Every call is counted in the ledger as the bytes this rank sends and receives
+in a flat (non-tree) implementation of the collective, so the numbers are independent
+of the MPI library's internal algorithms and add up to the same totals on any machine:
+
+- bcast of n bytes: the root sends n to each other rank; each other rank receives n.
+- reduce of n bytes: each non-root rank sends n; the root receives n per other rank.
+- gatherv: each rank sends its own part; the root receives the sum of the others.
+- allreduce of n bytes: every rank sends and receives n.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class Ledger:
+    """Bytes and seconds of this rank since the last ``take()``."""
+
+    sent: int = 0
+    received: int = 0
+    calls: int = 0
+    comm_seconds: float = 0.0   # inside collectives, once every rank had arrived
+    idle_seconds: float = 0.0   # waiting for the other ranks to arrive
+
+    def take(self) -> "Ledger":
+        snapshot = Ledger(self.sent, self.received, self.calls, self.comm_seconds,
+                          self.idle_seconds)
+        self.sent = self.received = self.calls = 0
+        self.comm_seconds = self.idle_seconds = 0.0
+        return snapshot
+
+
+def as_array(buf) -> np.ndarray:
+    """A numpy view of ``buf`` (numpy array or CPU torch tensor), no copy."""
+    if isinstance(buf, torch.Tensor):
+        if buf.device.type != "cpu":
+            raise TypeError("comm moves host buffers; copy device tensors to the host first")
+        return buf.detach().numpy()
+    return buf
+
+
+class Comm:
+    """What the runtime needs from a communicator. Rank 0 is the server.
+
+    ``is_worker`` is true on ranks 1..W, and on rank 0 when it is the only rank
+    (a single process is server and worker at once).
+    """
+
+    rank: int = 0
+    size: int = 1
+    ledger: Ledger
+
+    @property
+    def is_server(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_worker(self) -> bool:
+        return self.rank > 0 or self.size == 1
+
+    @property
+    def num_workers(self) -> int:
+        return max(self.size - 1, 1)
+
+    @property
+    def worker_index(self) -> int:
+        return max(self.rank - 1, 0)
+
+    def bcast(self, buf, root: int = 0) -> None: ...
+    def bcast_obj(self, obj, root: int = 0): ...
+    def reduce_sum(self, sendbuf, recvbuf, root: int = 0) -> None: ...
+    def allreduce_sum(self, buf) -> None: ...
+    def gatherv(self, sendbuf: np.ndarray, root: int = 0) -> list[np.ndarray] | None: ...
+    def gather_obj(self, obj, root: int = 0, count: bool = True) -> list | None: ...
+    def scatter_obj(self, objs: list | None, root: int = 0): ...
+    def abort(self, code: int = 1) -> None: ...
+    def hostnames(self) -> list[str]: ...
+
+
+class Stopwatch:
+    """Adds elapsed seconds to a ledger field; used around every collective."""
+
+    def __init__(self, ledger: Ledger, field: str):
+        self.ledger, self.field = ledger, field
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc):
+        setattr(self.ledger, self.field,
+                getattr(self.ledger, self.field) + time.perf_counter() - self.t0)

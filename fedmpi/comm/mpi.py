@@ -1,0 +1,134 @@
+"""The MPI backend (mpi4py), with the byte ledger and a waiting rule that frees the core.
+
+OpenMPI busy-polls inside blocking calls: a server blocked in a Reduce while the
+workers train burns most of a core, which on a small or oversubscribed node slows
+the very workers it waits for. So every collective first waits for all ranks to arrive
+on a non-blocking barrier, testing it with a sleep that backs off to ``max_sleep``,
+and only then runs the (now fast) blocking collective. The first wait is idle time,
+the second is communication time; both are recorded per rank.
+"""
+
+from __future__ import annotations
+
+import pickle
+import socket
+import time
+
+import numpy as np
+
+from .base import Comm, Ledger, Stopwatch, as_array
+
+
+class MPIComm(Comm):
+    def __init__(self, comm=None, max_sleep: float = 1e-3):
+        from mpi4py import MPI  # imported here so single-process runs never load MPI
+
+        self.MPI = MPI
+        self.comm = comm if comm is not None else MPI.COMM_WORLD
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        self.ledger = Ledger()
+        self.max_sleep = max_sleep
+
+    def _arrive(self) -> None:
+        """Wait for every rank without spinning: Ibarrier + Test with backoff sleep."""
+        with Stopwatch(self.ledger, "idle_seconds"):
+            request = self.comm.Ibarrier()
+            pause = 1e-5
+            while not request.Test():
+                time.sleep(pause)
+                pause = min(pause * 2, self.max_sleep)
+        self.ledger.calls += 1
+
+    def _count(self, nbytes: int, root: int, to_root: bool) -> None:
+        others = self.size - 1
+        if self.rank == root:
+            if to_root:
+                self.ledger.received += nbytes * others
+            else:
+                self.ledger.sent += nbytes * others
+        elif to_root:
+            self.ledger.sent += nbytes
+        else:
+            self.ledger.received += nbytes
+
+    def bcast(self, buf, root=0):
+        array = as_array(buf)
+        self._arrive()
+        with Stopwatch(self.ledger, "comm_seconds"):
+            self.comm.Bcast(array, root=root)
+        self._count(array.nbytes, root, to_root=False)
+
+    def bcast_obj(self, obj, root=0):
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self.rank == root else None
+        self._arrive()
+        with Stopwatch(self.ledger, "comm_seconds"):
+            data = self.comm.bcast(data, root=root)
+        self._count(len(data), root, to_root=False)
+        return pickle.loads(data)
+
+    def reduce_sum(self, sendbuf, recvbuf, root=0):
+        send = as_array(sendbuf)
+        recv = as_array(recvbuf) if self.rank == root else None
+        self._arrive()
+        with Stopwatch(self.ledger, "comm_seconds"):
+            self.comm.Reduce(send, recv, op=self.MPI.SUM, root=root)
+        self._count(send.nbytes, root, to_root=True)
+
+    def allreduce_sum(self, buf):
+        array = as_array(buf)
+        self._arrive()
+        with Stopwatch(self.ledger, "comm_seconds"):
+            self.comm.Allreduce(self.MPI.IN_PLACE, array, op=self.MPI.SUM)
+        self.ledger.sent += array.nbytes
+        self.ledger.received += array.nbytes
+
+    def gatherv(self, sendbuf, root=0):
+        send = np.ascontiguousarray(as_array(sendbuf))
+        self._arrive()
+        with Stopwatch(self.ledger, "comm_seconds"):
+            counts = self.comm.gather(send.size, root=root)
+            recv = None
+            if self.rank == root:
+                recv = np.empty(sum(counts), dtype=send.dtype)
+                self.comm.Gatherv(send, (recv, counts), root=root)
+            else:
+                self.comm.Gatherv(send, None, root=root)
+        if self.rank != root:
+            self.ledger.sent += send.nbytes
+            return None
+        self.ledger.received += (recv.size - send.size) * send.itemsize
+        return np.split(recv, np.cumsum(counts)[:-1])
+
+    def gather_obj(self, obj, root=0, count=True):
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        self._arrive()
+        with Stopwatch(self.ledger, "comm_seconds"):
+            parts = self.comm.gather(data, root=root)
+        if count:
+            self._count_parts(len(data), parts, root)
+        return None if parts is None else [pickle.loads(p) for p in parts]
+
+    def scatter_obj(self, objs, root=0):
+        parts = None
+        if self.rank == root:
+            parts = [pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL) for o in objs]
+        self._arrive()
+        with Stopwatch(self.ledger, "comm_seconds"):
+            data = self.comm.scatter(parts, root=root)
+        if self.rank == root:
+            self.ledger.sent += sum(len(p) for p in parts) - len(data)
+        else:
+            self.ledger.received += len(data)
+        return pickle.loads(data)
+
+    def _count_parts(self, own: int, parts, root: int) -> None:
+        if self.rank == root:
+            self.ledger.received += sum(len(p) for p in parts) - own
+        else:
+            self.ledger.sent += own
+
+    def abort(self, code=1):
+        self.comm.Abort(code)
+
+    def hostnames(self):
+        return self.comm.allgather(socket.gethostname())

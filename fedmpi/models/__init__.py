@@ -1,0 +1,139 @@
+"""Model registry: `build_model(name, in_channels, num_classes, image_size, **options)`.
+
+Every model exposes `features(x) -> [B, F]` (the penultimate representation, which MOON,
+FedMRUR and FNR-FL use), `classifier` (the final nn.Linear) and
+`forward(x) == classifier(features(x))`. Models use GroupNorm or no normalisation, so they
+have parameters only and no buffers to aggregate. Initialisation draws from torch's global
+generator: seed it (`torch.manual_seed`) before building.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from torch import nn
+
+from fedmpi.errors import UsageError
+from fedmpi.models.cnn import CNN
+from fedmpi.models.resnet import STEMS, WIDTHS, ResNet18
+from fedmpi.models.vgg import NORMS, VGG11
+
+__all__ = ["MODELS", "ModelSpec", "Option", "build_model", "check_options", "model_options"]
+
+Check = Callable[[str, Any], Any]
+"""Validates one option value: (field name, value) -> normalised value, or raises UsageError."""
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def positive_int(field: str, value: Any) -> int:
+    if not _is_int(value) or value < 1:
+        raise UsageError(f"{field} must be a positive integer, got {value!r}")
+    return value
+
+
+def positive_int_pair(field: str, value: Any) -> tuple[int, int]:
+    if not isinstance(value, (list, tuple)) or len(value) != 2 \
+            or not all(_is_int(v) and v > 0 for v in value):
+        raise UsageError(f"{field} must be two positive integers like [32, 64], got {value!r}")
+    return tuple(value)
+
+
+def one_of(*allowed: str) -> Check:
+    def check(field: str, value: Any) -> str:
+        if value not in allowed:
+            raise UsageError(f"{field} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+        return value
+    return check
+
+
+def divisor_of_all(widths: tuple[int, ...]) -> Check:
+    def check(field: str, value: Any) -> int:
+        if not _is_int(value) or value < 1 or any(w % value for w in widths):
+            allowed = [g for g in range(1, widths[0] + 1) if all(w % g == 0 for w in widths)]
+            raise UsageError(f"{field} must be one of {allowed} (divides every width), got {value!r}")
+        return value
+    return check
+
+
+def probability(field: str, value: Any) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < 1:
+        raise UsageError(f"{field} must be a number in [0, 1), got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class Option:
+    """One documented model option: its default, its validator and one line of help."""
+
+    default: Any
+    check: Check
+    help: str
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A registered model: its class, documented options and the smallest image it accepts."""
+
+    cls: type[nn.Module]
+    summary: str
+    options: Mapping[str, Option]
+    min_image_size: int = 1
+
+
+MODELS: dict[str, ModelSpec] = {
+    "cnn": ModelSpec(CNN, "McMahan et al. 2017 two-conv CNN (0.88M params on 32x32x3)", {
+        "hidden": Option(512, positive_int, "width of the hidden fully connected layer"),
+        "channels": Option((32, 64), positive_int_pair, "output channels of the two 5x5 convs"),
+    }, min_image_size=16),
+    "resnet18": ModelSpec(ResNet18, "ResNet-18 with GroupNorm (11.2M params)", {
+        "num_groups": Option(2, divisor_of_all(WIDTHS), "groups of every GroupNorm"),
+        "stem": Option("cifar", one_of(*STEMS),
+                       "'cifar': 3x3 conv1, no max-pool (FedACG); "
+                       "'imagenet': 7x7/2 conv1 + max-pool (torchvision, FedMIM/FedMRUR)"),
+    }),
+    "vgg11": ModelSpec(VGG11, "VGG-11 with NIID-Bench's 512-512-512 head (9.8M params)", {
+        "norm": Option("none", one_of(*NORMS), "normalisation after each conv"),
+        "num_groups": Option(2, divisor_of_all(WIDTHS), "GroupNorm groups when norm = 'group'"),
+        "dropout": Option(0.5, probability, "dropout before the two hidden linears (NIID-Bench)"),
+    }),
+}
+
+
+def _spec(name: str) -> ModelSpec:
+    if name not in MODELS:
+        raise UsageError(f"model.name must be one of {', '.join(map(repr, MODELS))}, got {name!r}")
+    return MODELS[name]
+
+
+def model_options(name: str) -> dict[str, Any]:
+    """Documented options of model `name` with their defaults."""
+    return {key: option.default for key, option in _spec(name).options.items()}
+
+
+def _resolve(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    spec = _spec(name)
+    unknown = sorted(set(options) - set(spec.options))
+    if unknown:
+        allowed = ", ".join(spec.options)
+        raise UsageError(f"model.{unknown[0]} is not an option of model {name!r} (allowed: {allowed})")
+    return {key: option.check(f"model.{key}", options.get(key, option.default))
+            for key, option in spec.options.items()}
+
+
+def check_options(name: str, options: Mapping[str, Any]) -> None:
+    """Config-time check of a model name and its options (before any MPI work)."""
+    _resolve(name, options)
+
+
+def build_model(name: str, in_channels: int, num_classes: int, image_size: int,
+                **options: Any) -> nn.Module:
+    """Build model `name` for square images of side `image_size`; unknown options are errors."""
+    spec = _spec(name)
+    if image_size < spec.min_image_size:
+        raise UsageError(f"model.name {name!r} needs images of at least "
+                         f"{spec.min_image_size}x{spec.min_image_size}, got {image_size}x{image_size}")
+    return spec.cls(in_channels, num_classes, image_size, **_resolve(name, options))

@@ -1,0 +1,158 @@
+"""Read a fedmpi results file: finished, still being written (SWMR), or left by a crash."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from fedmpi import __version__
+from fedmpi.errors import UsageError
+from fedmpi.results import schema
+
+_GROUPS = ("partition", "rounds", "clients", "model")
+
+
+class RunFile:
+    """One run's results, read-only; arrays are returned as numpy, fresh on every call."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        self._file = _open(self.path)
+        try:
+            _check_format(self._file, self.path)
+        except BaseException:
+            self._file.close()
+            raise
+
+    @property
+    def attrs(self) -> dict:
+        """Root attributes as Python values, JSON-encoded ones (config, hostnames) parsed."""
+        raw = self._file.attrs
+        json_keys = set(json.loads(raw.get("json_attrs", "[]")))
+        return {k: json.loads(raw[k]) if k in json_keys else _python(raw[k])
+                for k in raw if k != "json_attrs"}
+
+    @property
+    def config(self) -> dict:
+        """The resolved experiment config the run used."""
+        return json.loads(self._file.attrs["config"])
+
+    @property
+    def status(self) -> str:
+        """running|completed|failed|interrupted as of opening (reopen to see a change).
+
+        "running" on a file no process writes any more means the run died.
+        """
+        return _python(self._file.attrs["status"])
+
+    def rounds(self) -> dict[str, np.ndarray]:
+        """Round columns in the writer's order, e.g. ``pd.DataFrame(run.rounds())``."""
+        return self._columns("rounds")
+
+    def clients(self) -> dict[str, np.ndarray]:
+        """One row per (round, client) participation."""
+        return self._columns("clients")
+
+    def partition(self) -> dict[str, np.ndarray]:
+        """client_offsets, client_indices, class_counts, client_sizes (and any extras)."""
+        return {name: ds[()] for name, ds in self._file["partition"].items()}
+
+    def layout(self) -> list[tuple[str, tuple[int, ...], int]]:
+        """(name, shape, offset) per tensor of the flat parameter vector."""
+        table = self._file["model/layout"]
+        names = table["names"].asstr()[()]
+        shapes = table["shapes"].asstr()[()]
+        offsets = table["offsets"][()]
+        return [(str(n), tuple(json.loads(s)), int(o)) for n, s, o in zip(names, shapes, offsets)]
+
+    def model_names(self) -> list[str]:
+        """Stored parameter vectors, e.g. ["final"]."""
+        return sorted(k for k in self._file["model"] if k != "layout")
+
+    def model(self, name: str = "final") -> np.ndarray:
+        """A stored flat float32 parameter vector."""
+        if name not in self.model_names():
+            available = ", ".join(self.model_names()) or "none yet"
+            raise UsageError(f"results file {self.path} has no model {name!r} (available: {available})")
+        return self._file["model"][name][()]
+
+    def state_dict(self, name: str = "final") -> dict[str, np.ndarray]:
+        """The vector cut and reshaped by the layout, ready for torch.from_numpy/load_state_dict."""
+        vec = self.model(name)
+        return {n: vec[off:off + int(np.prod(shape, dtype=np.int64))].reshape(shape)
+                for n, shape, off in self.layout()}
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> "RunFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"RunFile({str(self.path)!r}, status={self.status!r})"
+
+    def _columns(self, group_name: str) -> dict[str, np.ndarray]:
+        """Refresh (SWMR) and cut all columns to the rows every column has.
+
+        A crash can land between two columns' appends; the shortest column marks the
+        last complete row.
+        """
+        group = self._file[group_name]
+        names = json.loads(group.attrs["fields"]) if "fields" in group.attrs else sorted(group)
+        columns = [group[name] for name in names]
+        if self._file.swmr_mode:
+            for ds in columns:
+                ds.refresh()
+        n = min((ds.shape[0] for ds in columns), default=0)
+        return {name: ds[:n] for name, ds in zip(names, columns)}
+
+
+def open_run(path) -> RunFile:
+    """Open a results file for reading (see ``RunFile``)."""
+    return RunFile(path)
+
+
+def _open(path: Path) -> h5py.File:
+    """SWMR first: it is the only way to open a file being written, or left by a crash."""
+    if not path.is_file():
+        raise UsageError(f"results file {path} does not exist")
+    if not h5py.is_hdf5(path):
+        raise UsageError(f"results file {path} is not an HDF5 file")
+    try:
+        return h5py.File(path, "r", swmr=True)
+    except OSError:
+        pass
+    try:
+        return h5py.File(path, "r")
+    except OSError as exc:
+        reason = " ".join(str(exc).split())
+        raise UsageError(f"results file {path} cannot be opened ({reason})") from exc
+
+
+def _check_format(h5file: h5py.File, path: Path) -> None:
+    """Name exactly what is missing, so a wrong file is told apart from a newer schema."""
+    if _python(h5file.attrs.get("format")) != schema.FORMAT:
+        raise UsageError(f"{path} is not a fedmpi results file "
+                         f"(root attribute 'format' should be {schema.FORMAT!r})")
+    version = int(h5file.attrs.get("schema_version", 0))
+    if not 1 <= version <= schema.SCHEMA_VERSION:
+        raise UsageError(f"results file {path} has schema_version {version}; fedmpi {__version__} "
+                         f"reads 1..{schema.SCHEMA_VERSION}")
+    missing = [g for g in _GROUPS if g not in h5file]
+    if missing:
+        raise UsageError(f"results file {path} lacks group(s) {', '.join('/' + g for g in missing)}")
+
+
+def _python(value):
+    """numpy scalars and bytes from h5py as plain Python values."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8")
+    if isinstance(value, np.generic):
+        return value.item()
+    return value

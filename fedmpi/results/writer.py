@@ -1,0 +1,323 @@
+"""Rank 0's writer of the results file (layout in ``fedmpi.results.schema``).
+
+The file stays in SWMR mode for the whole run: readers can follow it live and every
+flushed row survives a crash. SWMR only allows appending to datasets that already
+exist, so all columns are created up front, and anything that adds or changes an
+object or attribute (status, final model, checkpoints) goes through ``edit()``, which
+leaves SWMR for the duration of the change.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from fedmpi import __version__
+from fedmpi.errors import UsageError
+from fedmpi.results import schema
+
+
+class ResultsWriter:
+    """Appends rounds and client rows to one run's file; use ``ResultsWriter.create``."""
+
+    def __init__(self, h5file: h5py.File, path: Path, n_params: int):
+        self._file = h5file
+        self.path = path
+        self._n_params = n_params
+        self._status = "running"
+        self._bind_columns()
+
+    @classmethod
+    def create(cls, path, *, config: dict, provenance: dict, round_fields: list[str],
+               client_fields: list[str], layout: list[tuple[str, tuple[int, ...], int]],
+               partition: dict[str, np.ndarray], force: bool = False) -> "ResultsWriter":
+        """Create the file with every dataset it will ever append to, then enter SWMR.
+
+        All input is checked before the filesystem is touched, so a bad call never
+        destroys an existing file, even with ``force``.
+        """
+        path = Path(path)
+        attrs = _root_attrs(config, provenance)
+        _check_fields("round_fields", round_fields)
+        _check_fields("client_fields", client_fields)
+        layout = _check_layout(layout)
+        partition = _partition_arrays(partition)
+        _prepare_path(path, force)
+        h5file = h5py.File(path, "w", libver=schema.LIBVER)
+        try:
+            _set_attrs(h5file, attrs)
+            _write_partition(h5file.create_group("partition"), partition)
+            _create_columns(h5file.create_group("rounds"), round_fields, schema.ROUND_CHUNK)
+            _create_columns(h5file.create_group("clients"), client_fields, schema.CLIENT_CHUNK)
+            n_params = _write_layout(h5file.create_group("model"), layout)
+            h5file.flush()
+            h5file.swmr_mode = True
+        except BaseException:
+            h5file.close()
+            raise
+        return cls(h5file, path, n_params)
+
+    def append_round(self, row: dict[str, float]) -> None:
+        """One row per round; fields left out read back as NaN (or -1 for int fields)."""
+        self._append(self._rounds, "round_fields", {k: [v] for k, v in row.items()}, 1)
+
+    def append_clients(self, rows: dict[str, np.ndarray]) -> None:
+        """Many participations at once (one per element), so a round costs one flush."""
+        lengths = {np.shape(v) for v in rows.values()}
+        if len(lengths) > 1 or any(len(n) != 1 for n in lengths):
+            raise ValueError(f"client rows must be equal-length 1-D arrays, got shapes {sorted(lengths)}")
+        n = lengths.pop()[0] if lengths else 0
+        if n:
+            self._append(self._clients, "client_fields", rows, n)
+
+    def write_model(self, params: np.ndarray, name: str = "final") -> None:
+        """Store a flat parameter vector as float32 under /model/<name> (replacing it)."""
+        vec = np.asarray(params, dtype=np.float32).reshape(-1)
+        if self._n_params and vec.size != self._n_params:
+            raise ValueError(f"model {name!r} has {vec.size} parameters, layout has {self._n_params}")
+        if not name or "/" in name or name == "layout":
+            raise ValueError(f"model name {name!r} must be non-empty, without '/', and not 'layout'")
+        with self.edit() as h5file:
+            group = h5file["model"]
+            if name in group:
+                del group[name]
+            group.create_dataset(name, data=vec)
+
+    def set_status(self, status: str, **attrs) -> None:
+        """Record the run's state, plus context such as failed_round=7, error="..."."""
+        if status not in schema.STATUSES:
+            raise ValueError(f"status must be one of {', '.join(schema.STATUSES)}, got {status!r}")
+        _check_not_reserved("set_status attrs", attrs)
+        with self.edit() as h5file:
+            _set_attrs(h5file, {"status": status, **attrs})
+        self._status = status
+
+    @property
+    def status(self) -> str:
+        return self._status
+
+    @contextmanager
+    def edit(self):
+        """Yield the h5py.File outside SWMR, to create or change objects and attributes.
+
+        Why reopen: a SWMR writer may only append to existing datasets.
+        """
+        self._file.close()
+        self._file = _reopen(self.path)
+        try:
+            yield self._file
+        finally:
+            self._file.flush()
+            if not self._file.swmr_mode:
+                self._file.swmr_mode = True
+            self._bind_columns()
+
+    def close(self) -> None:
+        """Flush and close; safe to call twice."""
+        if self._file.id.valid:
+            self._file.flush()
+            self._file.close()
+
+    def __enter__(self) -> "ResultsWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """An exception escaping a still-running run marks it, so the file says why it stopped."""
+        try:
+            if exc_type is not None and self._status == "running" and self._file.id.valid:
+                status = "interrupted" if issubclass(exc_type, KeyboardInterrupt) else "failed"
+                self.set_status(status, error=_one_line(exc_type, exc))
+        except Exception:  # best effort: never hide the exception that ended the run
+            pass
+        finally:
+            self.close()
+
+    def _bind_columns(self) -> None:
+        """Cache dataset handles; they go stale whenever ``edit`` reopens the file."""
+        self._rounds = {name: ds for name, ds in self._file["rounds"].items()}
+        self._clients = {name: ds for name, ds in self._file["clients"].items()}
+
+    def _append(self, columns: dict, what: str, values: dict, n: int) -> None:
+        """Convert every column before growing any, so a bad value cannot leave them ragged."""
+        unknown = sorted(set(values) - set(columns))
+        if unknown:
+            raise ValueError(f"{unknown} not in {what} {sorted(columns)}")
+        data = {name: _column_values(name, values.get(name), n) for name in columns}
+        for name, ds in columns.items():
+            start = ds.shape[0]
+            ds.resize((start + n,))
+            ds[start:] = data[name]
+        self._file.flush()
+
+
+def _reopen(path: Path) -> h5py.File:
+    """Reopen for writing without a lock: live SWMR readers hold a shared one.
+
+    A reader in this same process shares HDF5's file object, whose locking flag must
+    match, hence the fallback.
+    """
+    try:
+        return h5py.File(path, "r+", libver=schema.LIBVER, locking=False)
+    except OSError:
+        return h5py.File(path, "r+", libver=schema.LIBVER)
+
+
+def _root_attrs(config: dict, provenance: dict) -> dict:
+    """Root attributes: identity, the resolved config, its hash, and provenance."""
+    _check_not_reserved("provenance", provenance)
+    config_json = json.dumps(config, sort_keys=True, default=_json_default)
+    return {
+        "format": schema.FORMAT,
+        "schema_version": schema.SCHEMA_VERSION,
+        "fedmpi_version": __version__,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "status": "running",
+        "config": _JSON(config_json),
+        "config_hash": hashlib.sha256(config_json.encode()).hexdigest()[:16],
+        **{key: _encode(value) for key, value in provenance.items()},
+    }
+
+
+class _JSON(str):
+    """A string that already is JSON: stored verbatim and listed in ``json_attrs``."""
+
+
+def _encode(value):
+    """Scalars stay native HDF5 attributes; lists, dicts, None become JSON strings."""
+    if isinstance(value, _JSON):
+        return value
+    if isinstance(value, str):
+        return str(value)  # np.str_ has no HDF5 conversion; plain str is variable-length UTF-8
+    if isinstance(value, (bool, int, float, np.integer, np.floating, np.bool_)):
+        return value
+    return _JSON(json.dumps(value, default=_json_default))
+
+
+def _set_attrs(h5file: h5py.File, attrs: dict) -> None:
+    """Write attrs, keeping ``json_attrs`` (which of them a reader must parse) up to date."""
+    json_keys = set(json.loads(h5file.attrs.get("json_attrs", "[]")))
+    for key, value in attrs.items():
+        value = _encode(value)
+        if isinstance(value, _JSON):
+            json_keys.add(key)
+            value = str(value)
+        else:
+            json_keys.discard(key)
+        h5file.attrs[key] = value
+    h5file.attrs["json_attrs"] = json.dumps(sorted(json_keys))
+
+
+def _json_default(value):
+    """Numpy scalars/arrays and paths appear in configs; turn them into JSON types."""
+    if isinstance(value, (np.generic, np.ndarray)):
+        return value.tolist()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def _check_not_reserved(what: str, attrs: dict) -> None:
+    clash = sorted(schema.RESERVED_ATTRS & set(attrs))
+    if clash:
+        raise ValueError(f"{what} may not set the writer's own root attributes {clash}")
+
+
+def _check_fields(what: str, fields: list[str]) -> None:
+    """Field names become dataset names, so they must be unique plain names."""
+    bad = [f for f in fields if not isinstance(f, str) or not f or "/" in f or f.startswith(".")]
+    if bad or len(set(fields)) != len(fields):
+        raise ValueError(f"{what} must be unique non-empty names without '/', got {list(fields)}")
+
+
+def _check_layout(layout) -> list[tuple[str, tuple[int, ...], int]]:
+    """Normalize (name, shape, offset) triples; shapes may come as torch.Size or lists."""
+    out = [(str(name), tuple(int(d) for d in shape), int(offset)) for name, shape, offset in layout]
+    if len({name for name, _, _ in out}) != len(out):
+        raise ValueError("layout names must be unique")
+    return out
+
+
+def _prepare_path(path: Path, force: bool) -> None:
+    """Refuse to clobber a previous run unless asked; unlink (not truncate) so live readers keep theirs."""
+    if path.is_dir():
+        raise UsageError(f"results file {path} is a directory; give a file path such as {path / 'run.h5'}")
+    if path.exists() or path.is_symlink():
+        if not force:
+            raise UsageError(f"results file {path} exists; "
+                             "pass --force to overwrite or choose another output")
+        path.unlink()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"results file {path}: cannot create directory {path.parent} "
+                         f"({exc.strerror})") from exc
+
+
+def _partition_arrays(partition: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Integer arrays as int64 (floats kept float64, for per-client skew parameters)."""
+    arrays = {str(k): np.asarray(v) for k, v in partition.items()}
+    if "client_sizes" not in arrays and "client_offsets" in arrays:
+        arrays["client_sizes"] = np.diff(arrays["client_offsets"])
+    return {k: a.astype(np.float64 if a.dtype.kind == "f" else np.int64) for k, a in arrays.items()}
+
+
+def _write_partition(group: h5py.Group, arrays: dict[str, np.ndarray]) -> None:
+    group.attrs["schema_version"] = schema.SCHEMA_VERSION
+    for name, arr in arrays.items():
+        big = arr.size >= schema.COMPRESS_MIN_SIZE
+        group.create_dataset(name, data=arr, compression="gzip" if big else None)
+
+
+def _create_columns(group: h5py.Group, fields: list[str], chunk: int) -> None:
+    """Empty extendable columns; they must exist before SWMR starts."""
+    group.attrs["schema_version"] = schema.SCHEMA_VERSION
+    group.attrs["fields"] = json.dumps(list(fields))
+    for field in fields:
+        ds = group.create_dataset(field, shape=(0,), maxshape=(None,), chunks=(chunk,),
+                                  dtype=schema.column_dtype(field), fillvalue=schema.fill_value(field))
+        unit = schema.units_of(field)
+        if unit:
+            ds.attrs["units"] = unit
+
+
+def _write_layout(group: h5py.Group, layout: list[tuple[str, tuple[int, ...], int]]) -> int:
+    """One row per tensor in four plain columns, so pandas/h5py users need no decoding tricks."""
+    group.attrs["schema_version"] = schema.SCHEMA_VERSION
+    sizes = [int(np.prod(shape, dtype=np.int64)) for _, shape, _ in layout]
+    n_params = max((off + size for (_, _, off), size in zip(layout, sizes)), default=0)
+    group.attrs["n_params"] = n_params
+    table = group.create_group("layout")
+    table.attrs["schema_version"] = schema.SCHEMA_VERSION
+    strings = h5py.string_dtype("utf-8")
+    table.create_dataset("names", data=[name for name, _, _ in layout], dtype=strings, shape=(len(layout),))
+    table.create_dataset("shapes", data=[json.dumps(list(s)) for _, s, _ in layout], dtype=strings,
+                         shape=(len(layout),))
+    table.create_dataset("offsets", data=np.array([o for _, _, o in layout], dtype=np.int64))
+    table.create_dataset("sizes", data=np.array(sizes, dtype=np.int64))
+    return n_params
+
+
+def _column_values(field: str, values, n: int) -> np.ndarray:
+    """Values for one column, in its dtype; int columns take NaN as -1 and refuse fractions."""
+    if values is None:
+        return np.full(n, schema.fill_value(field), dtype=schema.column_dtype(field))
+    arr = np.asarray(values)
+    if arr.shape != (n,):
+        raise ValueError(f"{field}: expected {n} values, got shape {arr.shape}")
+    if schema.column_dtype(field) == "float64" or arr.dtype.kind in "iub":
+        return arr.astype(schema.column_dtype(field))
+    arr = np.where(np.isnan(arr.astype(np.float64)), schema.INT_FILL, arr.astype(np.float64))
+    if not np.array_equal(arr, np.round(arr)):
+        raise ValueError(f"{field} holds integers, got {arr.tolist()}")
+    return arr.astype(np.int64)
+
+
+def _one_line(exc_type, exc) -> str:
+    text = " ".join(str(exc).split())
+    return f"{exc_type.__name__}: {text}" if text else exc_type.__name__

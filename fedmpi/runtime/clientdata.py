@@ -1,0 +1,62 @@
+"""The worker's copy of the data, and each client's view of it.
+
+The whole training set is held once per worker as uint8 tensors on the device; a client
+is an index set into it. A batch is one index gather, one conversion to float (with the
+crop/flip augmentation batched on the device) and, for convolutional models, NHWC
+layout. No DataLoader, no per-sample Python.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..algorithms.base import ClientData
+from ..data.augment import augment, to_float
+from .rng import torch_generator
+
+
+class DeviceData:
+    """Training and test tensors of one dataset on one device."""
+
+    def __init__(self, dataset, device: torch.device, *, augment: bool, crop_padding: int,
+                 flip: bool, channels_last: bool):
+        self.device = device
+        self.train_x = dataset.train_x.to(device)
+        self.train_y = dataset.train_y.to(device)
+        self.test_x = dataset.test_x.to(device)
+        self.test_y = dataset.test_y.to(device)
+        self.mean, self.std = dataset.mean, dataset.std
+        self.augment, self.crop_padding, self.flip = augment, crop_padding, flip
+        self.channels_last = channels_last
+
+    def prepare(self, x_uint8: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        if generator is not None and self.augment:
+            return augment(x_uint8, generator, crop_padding=self.crop_padding, flip=self.flip,
+                           mean=self.mean, std=self.std, channels_last=self.channels_last)
+        return to_float(x_uint8, self.mean, self.std, channels_last=self.channels_last)
+
+    def client(self, indices: np.ndarray, seed: int, round_: int, client: int,
+               phase: int) -> "TensorClientData":
+        return TensorClientData(self, indices, seed, (round_, client, phase))
+
+
+class TensorClientData(ClientData):
+    """Batches of one client: order and augmentation keyed by (seed, round, client, phase)."""
+
+    def __init__(self, data: DeviceData, indices: np.ndarray, seed: int, key: tuple[int, ...]):
+        self.data = data
+        self.indices = torch.as_tensor(indices, dtype=torch.int64)
+        self.num_samples = len(indices)
+        self.seed, self.key = seed, key
+
+    def batches(self, epochs: int, batch_size: int):
+        order = torch_generator(self.seed, "batch", *self.key)
+        aug_device = self.data.device if self.data.device.type == "cuda" else "cpu"
+        aug = torch_generator(self.seed, "augment", *self.key, device=aug_device)
+        for _ in range(epochs):
+            idx = self.indices[torch.randperm(self.num_samples, generator=order)]
+            idx = idx.to(self.data.device, non_blocking=True)
+            for start in range(0, self.num_samples, batch_size):
+                batch = idx[start:start + batch_size]
+                yield self.data.prepare(self.data.train_x[batch], aug), self.data.train_y[batch]

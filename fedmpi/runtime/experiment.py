@@ -1,0 +1,465 @@
+"""One experiment, run by every rank: setup, then the round of DESIGN.md section 3.
+
+The same code runs on every rank (SPMD); ``comm.is_server`` and ``comm.is_worker`` say
+which half of each step a rank does. A single process is both, and its collectives are
+identities, so ``fedmpi run`` without mpirun is the same program as an MPI run.
+
+A round, numbered as in the code:
+
+1. server samples S_t (keyed by seed and round; the same for any layout);
+2. per phase: server picks participants, plans placement, broadcasts plan + payload;
+3. workers train their clients and pre-aggregate contributions (or keep them per client
+   in deterministic mode), server collects sums, per-client rows and client states;
+4. server applies the algorithm's update;
+5. on evaluation rounds: broadcast the evaluation parameters, workers score test chunks;
+6. server writes the round and flushes the file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .. import __version__, algorithms
+from ..data import class_counts, load_dataset, make_partition
+from ..errors import UsageError
+from ..evaluation import chunks_of, combine, evaluate_chunks
+from ..flat import FlatModel
+from ..models import build_model
+from ..results import ResultsWriter
+from .clientdata import DeviceData
+from .plan import place, sample_clients
+from .rng import key_seed
+from .state import ClientStateStore
+from .system import choose_device, choose_threads, tune_malloc
+
+ROUND_FIELDS = ["round", "time_wall", "time_compute", "time_compute_min", "time_comm",
+                "time_idle", "time_aggregate", "time_eval", "lr", "train_loss", "test_loss",
+                "test_acc", "fl_bytes_down", "fl_bytes_up", "mpi_bytes", "n_participants",
+                "update_norm"]
+CLIENT_FIELDS = ["round", "phase", "client", "rank", "n_samples", "steps", "train_loss",
+                 "update_norm", "seconds", "bytes_down", "bytes_up"]
+_ROW = ["client", "rank", "n_samples", "steps", "train_loss", "update_norm", "seconds"]
+WIRE_BYTES = 4  # float32 on the simulated wire
+
+
+class StopRun(Exception):
+    """The server told every rank to stop (divergence)."""
+
+
+class Experiment:
+    def __init__(self, config, comm, *, force: bool = False, quiet: bool = False):
+        self.config, self.comm = config, comm
+        self.force, self.quiet = force, quiet
+        self.alg = algorithms.build(config.algorithm.name, config.algorithm.params)
+        self.writer = None
+        self.stop = False
+
+    # ---- setup ------------------------------------------------------------------------
+    def setup(self) -> None:
+        cfg, comm = self.config, self.comm
+        tune_malloc()
+        self.threads = choose_threads(cfg.system.threads, cfg.system.deterministic,
+                                      comm.is_worker, comm.size)
+        torch.set_num_threads(self.threads)
+        self.device = choose_device(cfg.system.device, comm.is_worker, comm.rank)
+        dataset = load_dataset(cfg.data.dataset, cfg.data.data_dir, seed=cfg.seed,
+                               **cfg.data.options)
+        self.num_classes = dataset.num_classes
+        self._partition(dataset)
+        self._model(dataset)
+        if comm.is_worker:
+            self.data = DeviceData(dataset, self.device, augment=cfg.data.augment,
+                                   crop_padding=cfg.data.crop_padding, flip=cfg.data.flip,
+                                   channels_last=cfg.model.channels_last and dataset.train_x.dim() == 4)
+        ranks = comm.gather_obj(self._rank_info(), count=False)
+        if comm.is_server:
+            self.state = self.alg.init_server_state(self.flat.params.detach().cpu().clone())
+            self.store = ClientStateStore(self.alg.client_state_sizes(self.d))
+            self._create_file(dataset, ranks)
+
+    def _partition(self, dataset) -> None:
+        """Computed once on the server from the seed, broadcast as (offsets, indices)."""
+        part = None
+        if self.comm.is_server:
+            p = self.config.partition
+            params = {"alpha": p.alpha, "min_size": p.min_size} if p.kind == "dirichlet" else {}
+            part = make_partition(p.kind, dataset.train_y.numpy(), self.config.clients.num,
+                                  self.config.seed, **params)
+            part = (part.offsets, part.indices)
+        self.offsets, self.indices = self.comm.bcast_obj(part)
+        self.sizes = np.diff(self.offsets)
+
+    def _model(self, dataset) -> None:
+        cfg = self.config
+        torch.manual_seed(key_seed(cfg.seed, "init"))
+        module = build_model(cfg.model.name, dataset.in_channels, dataset.num_classes,
+                             dataset.image_size, **cfg.model.options)
+        self.flat = FlatModel(module, self.device, channels_last=cfg.model.channels_last)
+        self.d = self.flat.size
+
+    def _rank_info(self) -> dict:
+        import socket
+        return {"rank": self.comm.rank, "host": socket.gethostname(), "pid": os.getpid(),
+                "device": str(self.device), "threads": self.threads}
+
+    def _create_file(self, dataset, ranks) -> None:
+        cfg = self.config
+        provenance = {
+            "git_commit": _git_commit(), "world_size": self.comm.size,
+            "num_workers": self.comm.num_workers, "ranks": json.dumps(ranks),
+            "hostnames": json.dumps(sorted({r["host"] for r in ranks})),
+            "seed": cfg.seed, "torch_version": torch.__version__, "python": sys.version.split()[0],
+            "num_params": self.d, "dataset_source": dataset.source,
+            "algorithm_paper": self.alg.paper, "command": " ".join(sys.argv),
+        }
+        partition = {"client_offsets": self.offsets, "client_indices": self.indices,
+                     "client_sizes": self.sizes,
+                     "class_counts": class_counts(_Partition(self.offsets, self.indices),
+                                                  dataset.train_y.numpy(), dataset.num_classes)}
+        self.writer = ResultsWriter.create(
+            cfg.output_path(), config=cfg.to_dict(), provenance=provenance,
+            round_fields=ROUND_FIELDS + self._diagnostic_fields(),
+            client_fields=self._client_fields(),
+            layout=self.flat.layout_rows(), partition=partition, force=self.force)
+
+    def _diagnostic_fields(self) -> list[str]:
+        return list(getattr(self.alg, "diagnostic_fields", ()))
+
+    # ---- the loop -----------------------------------------------------------------------
+    def run(self) -> Path | None:
+        """Set up and run every round; returns the results path on the server."""
+        try:
+            self.setup()
+            for t in range(self.config.rounds):
+                self._round(t)
+        except StopRun:
+            pass
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        if not self.comm.is_server:
+            return None
+        if not self.stop:
+            self.writer.write_model(self.flat.canonical(self.state["x"]).numpy())
+            self.writer.set_status("completed")
+        self.writer.close()
+        return self.config.output_path()
+
+    @property
+    def diverged(self) -> bool:
+        return self.stop
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.writer is not None:
+            status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+            self.writer.set_status(status, error=f"{type(exc).__name__}: {exc}")
+            self.writer.close()
+            self.writer = None
+        if self.comm.size > 1:
+            if isinstance(exc, UsageError):  # e.g. data files missing: one line, exit 2
+                if self.comm.is_server:
+                    print(f"fedmpi: {exc}", file=sys.stderr, flush=True)
+                self.comm.abort(2)
+            traceback.print_exc()
+            sys.stderr.flush()
+            self.comm.abort(1)
+
+    def _round(self, t: int) -> None:
+        comm, cfg = self.comm, self.config
+        wall = time.perf_counter()
+        timers = {"compute": 0.0, "aggregate": 0.0, "eval": 0.0}
+        x_before = self.state["x"].clone() if comm.is_server else None
+        sampled = sample_clients(cfg.seed, t, cfg.clients.num, cfg.clients.per_round) \
+            if comm.is_server else None
+        rows, fl = [], [0, 0]
+        for p, phase in enumerate(self.alg.phases):
+            rows.append(self._phase(t, p, phase, sampled, timers, fl))
+        evaluated = (t + 1) % cfg.eval.every == 0 or t == cfg.rounds - 1
+        acc, test_loss = self._evaluate(timers) if evaluated else (math.nan, math.nan)
+        stats = comm.gather_obj(self._rank_stats(timers), count=False)
+        if comm.is_server:
+            row = self._round_row(t, wall, timers, stats, rows, fl, acc, test_loss, x_before)
+            self._write(t, row, rows)
+
+    # ---- one phase ----------------------------------------------------------------------
+    def _phase(self, t, p, phase, sampled, timers, fl) -> dict | None:
+        comm, alg = self.comm, self.alg
+        head, buf = None, None
+        if comm.is_server:
+            participants = np.asarray(alg.phase_participants(self.state, phase, sampled))
+            payload = alg.payload(self.state, self._context(t, phase, participants))
+            spec = [(k, v.numel()) for k, v in payload.items()]
+            head = (self.stop, participants, place(participants, self.sizes, comm.num_workers), spec)
+            buf = torch.cat([v.reshape(-1).to(torch.float32) for v in payload.values()])
+        stop, participants, assignment, spec = comm.bcast_obj(head)
+        if stop:
+            raise StopRun
+        if buf is None:
+            buf = torch.empty(sum(n for _, n in spec), dtype=torch.float32)
+        comm.bcast(buf)
+        ctx = self._context(t, phase, participants)
+        states = self._scatter_states(assignment)
+        mine = assignment[comm.worker_index] if comm.is_worker else np.zeros(0, np.int64)
+        t0 = time.perf_counter()
+        contributions, rows, new_states = self._train(mine, _split(buf, spec, self.device),
+                                                      states, ctx, p) \
+            if comm.is_worker else (None, np.zeros((0, len(_ROW) + self._gather_width())), {})
+        timers["compute"] += time.perf_counter() - t0
+        sums = self._collect_sums(contributions, assignment, participants)
+        gathered = self._collect_rows(rows)
+        self._gather_states(new_states)
+        if not comm.is_server:
+            return None
+        down, up = alg.traffic(self.d, phase)
+        fl[0] += down * WIRE_BYTES * len(participants)
+        fl[1] += up * WIRE_BYTES * len(participants)
+        t0 = time.perf_counter()
+        alg.server_update(self.state, sums, gathered, ctx)
+        timers["aggregate"] += time.perf_counter() - t0
+        gathered.update(phase=np.full(len(participants), p), bytes_down=np.full(len(participants), down * WIRE_BYTES),
+                        bytes_up=np.full(len(participants), up * WIRE_BYTES))
+        return gathered
+
+    def _context(self, t, phase, participants) -> algorithms.RoundContext:
+        tr = self.config.train
+        lr = tr.lr * tr.lr_decay ** t
+        return algorithms.RoundContext(
+            round=t, phase=phase, lr=lr, lr_prev=lr / tr.lr_decay, global_lr=tr.global_lr,
+            weight_decay=tr.weight_decay, clip_norm=tr.clip_norm, local_epochs=tr.local_epochs,
+            batch_size=tr.batch_size, num_clients=self.config.clients.num,
+            participants=tuple(int(c) for c in participants), seed=self.config.seed)
+
+    def _gather_width(self) -> int:
+        return sum(self.alg.gather_sizes(self.d).values())
+
+    def _train(self, mine, payload, states, ctx, p):
+        """Train this worker's clients; fold contributions as they come."""
+        sizes = self.alg.contribution_sizes(self.d)
+        total = sum(sizes.values())
+        deterministic = self.config.system.deterministic
+        acc = None if deterministic else torch.zeros(total, device=self.device)
+        per_client, rows, new_states = [], [], {}
+        for c in mine.tolist():
+            t0 = time.perf_counter()
+            data = self.data.client(self.indices[self.offsets[c]:self.offsets[c + 1]],
+                                    self.config.seed, ctx.round, c, p)
+            task = algorithms.ClientTask(client=c, data=data, model=self.flat, device=self.device)
+            torch.manual_seed(key_seed(self.config.seed, "client", ctx.round, c, p))  # dropout
+            upload = self.alg.local_update(task, payload, states.get(c), ctx)
+            vec = per_client_vector(self.alg.contribution(upload), sizes, total, self.device)
+            if deterministic:
+                per_client.append(vec.cpu())
+            else:
+                acc += vec
+            if upload.state is not None:
+                new_states[c] = {k: v.detach().cpu().numpy() for k, v in upload.state.items()}
+            gathered = self.alg.gather(upload)  # a field a phase does not produce is NaN
+            extras = [gathered[k].reshape(-1).double().cpu() if k in gathered
+                      else torch.full((n,), math.nan, dtype=torch.float64)
+                      for k, n in self.alg.gather_sizes(self.d).items()]
+            rows.append(np.concatenate([[c, self.comm.rank, upload.num_samples, upload.steps,
+                                         upload.loss, float(torch.linalg.vector_norm(upload.delta)),
+                                         time.perf_counter() - t0]] + [e.numpy() for e in extras]))
+        if deterministic:
+            contributions = torch.stack(per_client) if per_client else torch.zeros(0, total)
+        else:
+            contributions = acc.cpu()
+        width = len(_ROW) + self._gather_width()
+        return contributions, np.asarray(rows, dtype=np.float64).reshape(-1, width), new_states
+
+    def _collect_sums(self, contributions, assignment, participants) -> dict | None:
+        """Sum of contributions on the server: one Reduce, or in client order if deterministic."""
+        sizes = self.alg.contribution_sizes(self.d)
+        total = sum(sizes.values())
+        comm = self.comm
+        if self.config.system.deterministic:
+            send = contributions if contributions is not None else torch.zeros(0, total)
+            parts = comm.gatherv(send.reshape(-1).numpy())
+            if not comm.is_server:
+                return None
+            by_client = {}
+            for w, part in enumerate(parts[1:] if comm.size > 1 else parts):
+                for c, vec in zip(assignment[w].tolist(), part.reshape(-1, total)):
+                    by_client[c] = vec
+            out = torch.zeros(total)
+            for c in sorted(by_client):
+                out += torch.from_numpy(by_client[c])
+        else:
+            send = contributions if contributions is not None else torch.zeros(total)
+            out = torch.zeros(total) if comm.is_server else None
+            comm.reduce_sum(send, out)
+            if not comm.is_server:
+                return None
+        return _split(out, list(sizes.items()), torch.device("cpu"))
+
+    def _collect_rows(self, rows) -> dict | None:
+        parts = self.comm.gatherv(rows.reshape(-1))
+        if not self.comm.is_server:
+            return None
+        width = len(_ROW) + self._gather_width()
+        table = np.concatenate(parts).reshape(-1, width)
+        table = table[np.argsort(table[:, 0], kind="stable")]
+        out = {name: table[:, i] for i, name in enumerate(_ROW)}
+        col = len(_ROW)
+        for name, size in self.alg.gather_sizes(self.d).items():
+            out[name] = table[:, col:col + size].squeeze(1) if size == 1 else table[:, col:col + size]
+            col += size
+        return out
+
+    # ---- client state: kept on the server's host, shipped to whoever trains the client --
+    def _scatter_states(self, assignment) -> dict:
+        if not self.alg.client_state_sizes(self.d):
+            return {}
+        parts = None
+        if self.comm.is_server:
+            per_worker = [{c: self.store.get(c) for c in a.tolist()} for a in assignment]
+            parts = per_worker if self.comm.size == 1 else [{}] + per_worker
+        mine = self.comm.scatter_obj(parts)
+        return {c: {k: torch.from_numpy(v).to(self.device) for k, v in s.items()}
+                for c, s in mine.items()}
+
+    def _gather_states(self, new_states) -> None:
+        if not self.alg.client_state_sizes(self.d):
+            return
+        parts = self.comm.gather_obj(new_states)
+        if self.comm.is_server:
+            for part in parts:
+                for c, s in part.items():
+                    self.store.put(c, s)
+
+    # ---- evaluation ---------------------------------------------------------------------
+    def _evaluate(self, timers) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        comm, bs = self.comm, self.config.eval.batch_size
+        buf = self.alg.eval_params(self.state).to(torch.float32).contiguous().clone() \
+            if comm.is_server else torch.empty(self.d, dtype=torch.float32)
+        comm.bcast(buf)
+        rows = np.zeros((0, 4))
+        if comm.is_worker:
+            self.flat.load(buf.to(self.device))
+            chunk_ids = chunks_of(len(self.data.test_y), bs, comm.worker_index, comm.num_workers)
+            rows = evaluate_chunks(self.flat.module, self.data, chunk_ids, bs)
+        parts = comm.gatherv(rows.reshape(-1))
+        timers["eval"] += time.perf_counter() - t0
+        if not comm.is_server:
+            return math.nan, math.nan
+        return combine(np.concatenate(parts).reshape(-1, 4))
+
+    # ---- bookkeeping ----------------------------------------------------------------------
+    def _rank_stats(self, timers) -> list[float]:
+        ledger = self.comm.ledger.take()
+        return [ledger.sent, ledger.received, timers["compute"], ledger.idle_seconds,
+                ledger.comm_seconds]
+
+    def _round_row(self, t, wall, timers, stats, rows, fl, acc, test_loss, x_before) -> dict:
+        stats = np.asarray(stats)
+        workers = stats[1:] if self.comm.size > 1 else stats
+        first = rows[0]
+        weights = first["n_samples"]
+        train_loss = float(np.sum(first["train_loss"] * weights) / max(weights.sum(), 1))
+        return {
+            "round": t + 1, "time_wall": time.perf_counter() - wall,
+            "time_compute": float(workers[:, 2].max()), "time_compute_min": float(workers[:, 2].min()),
+            "time_comm": float(stats[0, 4]), "time_idle": float(stats[0, 3]),
+            "time_aggregate": timers["aggregate"], "time_eval": timers["eval"],
+            "lr": self.config.train.lr * self.config.train.lr_decay ** t,
+            "train_loss": train_loss, "test_loss": test_loss, "test_acc": acc,
+            "fl_bytes_down": fl[0], "fl_bytes_up": fl[1], "mpi_bytes": float(stats[:, 0].sum()),
+            "n_participants": len(first["client"]),
+            "update_norm": float(torch.linalg.vector_norm(self.state["x"] - x_before)),
+        }
+
+    def _write(self, t, row, rows) -> None:
+        self.writer.append_round(row)
+        for gathered in rows:
+            self.writer.append_clients({"round": np.full(len(gathered["client"]), t + 1),
+                                        **self._client_columns(gathered)})
+        if not (math.isfinite(row["train_loss"]) and bool(torch.isfinite(self.state["x"]).all())):
+            # Workers learn it from the next round's plan; the file keeps every round.
+            self.writer.set_status("failed", error=f"diverged at round {t}", failed_round=t)
+            self.stop = True
+            print(f"fedmpi: training diverged at round {t} (NaN/Inf loss or parameters)",
+                  file=sys.stderr, flush=True)
+        self._progress(t, row)
+
+    def _client_fields(self) -> list[str]:
+        fields = []
+        for name, size in self.alg.gather_sizes(self.d).items():
+            fields += [name] if size == 1 else [f"{name}_{i}" for i in range(size)]
+        return CLIENT_FIELDS + fields
+
+    def _client_columns(self, gathered) -> dict[str, np.ndarray]:
+        """Per-client columns; a gathered vector of size k becomes columns name_0..name_k-1."""
+        out = {}
+        for name, values in gathered.items():
+            if values.ndim == 1:
+                out[name] = values
+            else:
+                out.update({f"{name}_{i}": values[:, i] for i in range(values.shape[1])})
+        return out
+
+    def _progress(self, t, row) -> None:
+        if self.quiet:
+            return
+        rounds = self.config.rounds
+        acc = "" if math.isnan(row["test_acc"]) else f"  test_acc {row['test_acc']:.4f}"
+        eta = row["time_wall"] * (rounds - t - 1)
+        print(f"round {t + 1:>4}/{rounds}  train_loss {row['train_loss']:.4f}{acc}"
+              f"  {row['time_wall']:.2f} s/round  eta {eta:.0f} s", flush=True)
+
+
+def per_client_vector(contribution: dict, sizes: dict, total: int, device) -> torch.Tensor:
+    """One client's contribution dict as one flat vector in ``sizes`` order."""
+    vec = torch.empty(total, device=device)
+    offset = 0
+    for name, n in sizes.items():
+        vec[offset:offset + n] = contribution[name].reshape(-1)
+        offset += n
+    return vec
+
+
+def _split(buf: torch.Tensor, spec, device) -> dict[str, torch.Tensor]:
+    out, offset = {}, 0
+    buf = buf.to(device)
+    for name, n in spec:
+        out[name] = buf[offset:offset + n]
+        offset += n
+    return out
+
+
+class _Partition:
+    """Adapter for ``class_counts`` over the broadcast (offsets, indices) arrays."""
+
+    def __init__(self, offsets, indices):
+        self.offsets, self.indices = offsets, indices
+
+    @property
+    def num_clients(self):
+        return len(self.offsets) - 1
+
+    def client(self, c):
+        return self.indices[self.offsets[c]:self.offsets[c + 1]]
+
+    @property
+    def sizes(self):
+        return np.diff(self.offsets)
+
+
+def _git_commit() -> str:
+    root = Path(__file__).resolve().parents[2]
+    try:
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
+                             text=True, timeout=5)
+        return out.stdout.strip() if out.returncode == 0 else ""
+    except (OSError, subprocess.SubprocessError):
+        return ""

@@ -1,0 +1,40 @@
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# OpenMPI refuses to run as root without these; harmless otherwise.
+os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+
+
+def mpirun_path():
+    here = Path(sys.executable).parent / "mpirun"
+    return str(here) if here.exists() else shutil.which("mpirun")
+
+
+needs_mpi = pytest.mark.skipif(mpirun_path() is None, reason="no mpirun (pip install '.[mpi]')")
+
+
+def mpirun(n, args, timeout=600, env=None, check=True):
+    """Run ``args`` under a real mpirun with ``n`` ranks; returns the CompletedProcess."""
+    cmd = [mpirun_path(), "-n", str(n), "--oversubscribe", "--bind-to", "none"] + args
+    run_env = dict(os.environ, **(env or {}))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=run_env)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} -> {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def fedmpi(args, timeout=600, check=False, cwd=None):
+    """The real command line, in a subprocess."""
+    proc = subprocess.run([sys.executable, "-m", "fedmpi"] + args, capture_output=True,
+                          text=True, timeout=timeout, cwd=cwd)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"fedmpi {' '.join(args)} -> {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return proc

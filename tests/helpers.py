@@ -1,0 +1,33 @@
+"""Small configs shared by the runtime, MPI and CLI tests."""
+
+from pathlib import Path
+
+from fedmpi.config import to_toml
+
+TINY = {
+    "name": "tiny", "seed": 3, "rounds": 3,
+    "data": {"dataset": "synthetic", "num_train": 600, "num_test": 200, "size": 16},
+    "partition": {"kind": "dirichlet", "alpha": 0.5},
+    "clients": {"num": 12, "per_round": 5},
+    "model": {"name": "cnn", "hidden": 32, "channels": [4, 8]},
+    "algorithm": {"name": "fedavg"},
+    "train": {"local_epochs": 1, "batch_size": 16, "lr": 0.05},
+    "eval": {"every": 1, "batch_size": 64},
+}
+
+
+def merged(base=TINY, **sections) -> dict:
+    """``base`` with sections updated key by key and top-level values replaced."""
+    values = {k: (dict(v) if isinstance(v, dict) else v) for k, v in base.items()}
+    for key, value in sections.items():
+        if isinstance(value, dict):
+            values.setdefault(key, {}).update(value)
+        else:
+            values[key] = value
+    return values
+
+
+def write_config(path: Path, base=TINY, **sections) -> Path:
+    """TINY with some sections/keys replaced, written as TOML."""
+    path.write_text(to_toml(merged(base, **sections)))
+    return path

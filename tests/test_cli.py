@@ -1,0 +1,73 @@
+"""The command line as a user meets it: real subprocesses, real files."""
+
+import sys
+
+import numpy as np
+import pytest
+
+from fedmpi.results import RunFile
+
+from conftest import fedmpi, mpirun, needs_mpi
+from helpers import write_config
+
+
+def assert_usage_error(proc, *words):
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fedmpi: "), proc.stderr
+    for word in words:
+        assert word in lines[0]
+
+
+@pytest.mark.parametrize("args,field", [
+    (["--set", "train.lr=-1"], "train.lr"),
+    (["--set", "clients.per_round=500"], "clients.per_round"),
+    (["--set", "algorithm.name=nope"], "algorithm.name"),
+    (["--preset", "missing"], "preset"),
+    (["/no/such/file.toml"], "/no/such/file.toml"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, field):
+    proc = fedmpi(["run", *args, "-o", str(tmp_path / "x.h5")])
+    assert_usage_error(proc, field)
+    assert not (tmp_path / "x.h5").exists()
+
+
+def test_existing_results_are_never_overwritten(tmp_path):
+    out = tmp_path / "keep.h5"
+    out.write_bytes(b"precious")
+    config = write_config(tmp_path / "c.toml")
+    assert_usage_error(fedmpi(["run", str(config), "-o", str(out)]), "--force")
+    assert out.read_bytes() == b"precious"
+
+
+@needs_mpi
+def test_bad_input_under_mpirun_exits_2_before_mpi_work(tmp_path):
+    proc = mpirun(3, [sys.executable, "-m", "fedmpi", "run", "--set", "rounds=-2",
+                      "-o", str(tmp_path / "x.h5")], check=False, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.count("fedmpi: config field rounds") == 1
+    assert not (tmp_path / "x.h5").exists()
+
+
+def test_run_report_config_algorithms(tmp_path):
+    config = write_config(tmp_path / "c.toml")
+    out = tmp_path / "r.h5"
+    proc = fedmpi(["run", str(config), "-o", str(out), "--set", "rounds=2"], check=True)
+    assert "round    2/2" in proc.stdout and f"results: {out}" in proc.stdout
+    report = fedmpi(["report", str(out)], check=True).stdout
+    assert "fedavg" in report and "completed" in report
+    again = fedmpi(["run", str(config), "-o", str(out), "--set", "rounds=1", "--force", "-q"], check=True)
+    assert again.stdout == ""
+    with RunFile(out) as run:
+        assert len(run.rounds()["round"]) == 1
+    shown = fedmpi(["config", "--set", "algorithm.name=fedprox", "--set", "algorithm.mu=0.1"], check=True).stdout
+    assert "[algorithm]" in shown and "mu = 0.1" in shown
+    algos = fedmpi(["algorithms"], check=True).stdout
+    assert "fedavg" in algos and "algorithm.mu = 0.01" in algos
+    assert "default" in fedmpi(["presets"], check=True).stdout
+
+
+def test_report_rejects_a_file_that_is_not_a_run(tmp_path):
+    bad = tmp_path / "notes.h5"
+    bad.write_text("hello")
+    assert_usage_error(fedmpi(["report", str(bad)]), str(bad))

@@ -1,0 +1,171 @@
+"""Tests for fedmpi.models: shapes, the features/classifier contract, parameter counts,
+determinism of initialisation, trainability and option validation."""
+
+import pytest
+import torch
+from torch import nn
+
+from fedmpi.errors import UsageError
+from fedmpi.models import MODELS, build_model, model_options
+
+VARIANTS = [
+    ("cnn", {}),
+    ("resnet18", {"stem": "cifar"}),
+    ("resnet18", {"stem": "imagenet"}),
+    ("vgg11", {}),
+    ("vgg11", {"norm": "group"}),
+]
+IMAGES = [(1, 28), (3, 32)]  # (in_channels, image_size): MNIST-like and CIFAR-like
+IDS = [f"{name}-{'-'.join(map(str, opts.values())) or 'default'}" for name, opts in VARIANTS]
+
+
+def _build(name, opts, in_channels=3, image_size=32, num_classes=10, seed=0):
+    torch.manual_seed(seed)
+    return build_model(name, in_channels, num_classes, image_size, **opts)
+
+
+def _n_params(model):
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("in_channels,image_size", IMAGES)
+@pytest.mark.parametrize("name,opts", VARIANTS, ids=IDS)
+def test_shapes_and_features_contract(name, opts, in_channels, image_size):
+    model = _build(name, opts, in_channels, image_size, num_classes=7).eval()
+    x = torch.randn(2, in_channels, image_size, image_size)
+    assert isinstance(model.classifier, nn.Linear)
+    features = model.features(x)
+    assert features.shape == (2, model.classifier.in_features)
+    out = model(x)
+    assert out.shape == (2, 7)
+    assert torch.equal(model.classifier(features), out)
+
+
+@pytest.mark.parametrize("name,opts", VARIANTS, ids=IDS)
+def test_no_buffers_and_no_batchnorm(name, opts):
+    model = _build(name, opts)
+    assert list(model.buffers()) == []
+    assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+@pytest.mark.parametrize("name,opts,in_channels,image_size,low,high", [
+    ("cnn", {}, 3, 32, 0.85e6, 0.92e6),
+    ("cnn", {}, 1, 28, 0.57e6, 0.59e6),
+    ("resnet18", {"stem": "cifar"}, 3, 32, 11.1e6, 11.25e6),
+    ("resnet18", {"stem": "imagenet"}, 3, 32, 11.1e6, 11.25e6),
+    ("vgg11", {}, 3, 32, 9.7e6, 9.8e6),
+])
+def test_parameter_counts(name, opts, in_channels, image_size, low, high):
+    assert low <= _n_params(_build(name, opts, in_channels, image_size)) <= high
+
+
+def test_resnet18_imagenet_stem_matches_torchvision_size():
+    # torchvision.models.resnet18(num_classes=10) has 11,181,642 parameters; GN has BN's affine count
+    assert _n_params(_build("resnet18", {"stem": "imagenet"})) == 11_181_642
+
+
+def test_resnet18_imagenet_stem_computes_what_torchvision_resnet18_with_gn_computes():
+    torchvision = pytest.importorskip("torchvision")
+    ours = _build("resnet18", {"stem": "imagenet"}).eval()
+    reference = torchvision.models.resnet18(num_classes=10, norm_layer=lambda c: nn.GroupNorm(2, c))
+    pairs = list(zip(ours.parameters(), reference.parameters(), strict=True))
+    with torch.no_grad():
+        for mine, theirs in pairs:
+            theirs.copy_(mine)  # same registration order, so same shapes pair up
+    x = torch.randn(2, 3, 32, 32)
+    assert torch.equal(ours(x), reference.eval()(x))
+
+
+@pytest.mark.parametrize("name,opts", VARIANTS, ids=IDS)
+def test_init_is_deterministic_under_a_seed(name, opts):
+    a, b, c = (_build(name, opts, seed=s).state_dict() for s in (0, 0, 1))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], c[k]) for k in a)
+
+
+# full-batch steps on 4 noise images: ResNet's gradient norm (~35) needs a small step
+@pytest.mark.parametrize("name,opts,image_size,lr", [
+    ("cnn", {}, 16, 0.05),
+    ("resnet18", {"stem": "cifar"}, 16, 0.002),
+    ("resnet18", {"stem": "imagenet"}, 32, 0.002),
+    ("vgg11", {"dropout": 0.0}, 16, 0.05),
+    ("vgg11", {"norm": "group", "dropout": 0.0}, 16, 0.05),
+])
+def test_sgd_steps_reduce_the_loss(name, opts, image_size, lr):
+    model = _build(name, opts, 3, image_size)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 3, image_size, image_size, generator=gen)
+    y = torch.tensor([0, 1, 2, 3])
+    losses = []
+    for _ in range(6):
+        loss = nn.functional.cross_entropy(model(x), y)
+        model.zero_grad()
+        loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(p.grad, alpha=-lr)
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+
+
+def test_cnn_handles_the_smallest_image_and_rejects_smaller():
+    assert build_model("cnn", 1, 10, 16)(torch.randn(1, 1, 16, 16)).shape == (1, 10)
+    with pytest.raises(UsageError, match="at least 16x16"):
+        build_model("cnn", 1, 10, 15)
+
+
+def test_channels_last_gives_the_same_outputs():
+    model = _build("cnn", {})
+    x = torch.randn(2, 3, 32, 32)
+    expected = model(x)
+    model = model.to(memory_format=torch.channels_last)
+    actual = model(x.to(memory_format=torch.channels_last))
+    torch.testing.assert_close(actual, expected)
+
+
+def test_model_options_lists_defaults_that_build_the_default_model():
+    assert set(MODELS) == {"cnn", "resnet18", "vgg11"}
+    assert model_options("cnn") == {"hidden": 512, "channels": (32, 64)}
+    assert model_options("resnet18") == {"num_groups": 2, "stem": "cifar"}
+    assert model_options("vgg11") == {"norm": "none", "num_groups": 2, "dropout": 0.5}
+    for name in MODELS:
+        explicit = _build(name, model_options(name)).state_dict()
+        default = _build(name, {}).state_dict()
+        assert all(torch.equal(explicit[k], default[k]) for k in default)
+
+
+def test_options_change_the_architecture():
+    model = _build("cnn", {"hidden": 880, "channels": [16, 32]}, 1, 28)  # a TOML list is accepted
+    assert model.classifier.in_features == 880
+    assert model.body[0].out_channels == 16
+    norms = [m for m in _build("vgg11", {"norm": "group", "num_groups": 4}).modules()
+             if isinstance(m, nn.GroupNorm)]
+    assert len(norms) == 8 and all(m.num_groups == 4 for m in norms)
+
+
+def test_unknown_model_name_lists_the_allowed_names():
+    with pytest.raises(UsageError, match="model.name must be one of 'cnn', 'resnet18', 'vgg11'"):
+        build_model("resnet50", 3, 10, 32)
+    with pytest.raises(UsageError, match="model.name"):
+        model_options("lenet")
+
+
+@pytest.mark.parametrize("name,options,field", [
+    ("cnn", {"width": 3}, "model.width"),
+    ("cnn", {"hidden": 0}, "model.hidden"),
+    ("cnn", {"hidden": 2.5}, "model.hidden"),
+    ("cnn", {"hidden": True}, "model.hidden"),
+    ("cnn", {"channels": (32,)}, "model.channels"),
+    ("cnn", {"channels": (32, -1)}, "model.channels"),
+    ("resnet18", {"stem": "tiny"}, "model.stem"),
+    ("resnet18", {"num_groups": 3}, "model.num_groups"),
+    ("resnet18", {"norm": "group"}, "model.norm"),
+    ("vgg11", {"norm": "batch"}, "model.norm"),
+    ("vgg11", {"num_groups": 128}, "model.num_groups"),
+    ("vgg11", {"dropout": 1.0}, "model.dropout"),
+])
+def test_bad_options_raise_a_one_line_usage_error_naming_the_field(name, options, field):
+    with pytest.raises(UsageError) as info:
+        build_model(name, 3, 10, 32, **options)
+    message = str(info.value)
+    assert message.startswith(field + " ") and "\n" not in message

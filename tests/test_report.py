@@ -1,0 +1,53 @@
+"""report.summarize on a synthetic run whose numbers are checkable by hand."""
+
+import numpy as np
+
+from fedmpi.report import summarize
+from fedmpi.results import ResultsWriter
+from fedmpi.results.schema import CLIENT_FIELDS, ROUND_FIELDS
+
+NAN = float("nan")
+CONFIG = {"algorithm": {"name": "fedavg"}, "data": {"dataset": "cifar10"}, "model": {"name": "cnn"},
+          "partition": {"kind": "dirichlet", "alpha": 0.3}, "clients": 100, "clients_per_round": 10,
+          "rounds": 4}
+
+
+def write_run(path, config=CONFIG, status="completed", **status_attrs):
+    """4 rounds; accuracy evaluated on rounds 2-4 only; 1 MB down + 0.5 MB up per round."""
+    acc = [NAN, 0.60, 0.75, 0.70]
+    with ResultsWriter.create(path, config=config, provenance={}, round_fields=list(ROUND_FIELDS),
+                              client_fields=list(CLIENT_FIELDS), layout=[], partition={}) as writer:
+        for r in range(4):
+            writer.append_round({"round": r + 1, "test_acc": acc[r], "fl_bytes_down": 1_000_000,
+                                 "fl_bytes_up": 500_000, "mpi_bytes": 2_000_000, "time_wall": 2.0 + r,
+                                 "time_compute": 2.0, "time_comm": 0.5})
+        writer.set_status(status, **status_attrs)
+
+
+def test_summary_has_the_expected_numbers(tmp_path):
+    path = tmp_path / "run.h5"
+    write_run(path)
+    text = summarize(path)
+    assert str(path) in text and "completed" in text
+    for fact in ("fedavg", "cifar10", "cnn", "dirichlet (alpha=0.3)", "100 total, 10 per round",
+                 "4 of 4 completed", "final 70.00% (round 4)", "best 75.00% (round 3)",
+                 "6.00 MB (6000000 bytes)", "4.00 MB down, 2.00 MB up", "8.00 MB (8000000 bytes)",
+                 "3.500 s mean wall", "compute 2.000 s (57%)", "comm 0.500 s (14%)"):
+        assert fact in text, fact
+    assert "aggregate" not in text  # never measured -> not printed
+    assert 8 <= len(text.splitlines()) <= 15
+
+
+def test_summary_lines_are_aligned(tmp_path):
+    path = tmp_path / "run.h5"
+    write_run(path)
+    starts = {len(line) - len(line[13:].lstrip()) for line in summarize(path).splitlines()}
+    assert starts == {13}
+
+
+def test_summary_tolerates_sparse_config_and_failure(tmp_path):
+    path = tmp_path / "run.h5"
+    write_run(path, config={"algorithm": "fedavg"}, status="failed", failed_round=4, error="loss is NaN")
+    text = summarize(path)
+    assert "failed at round 4: loss is NaN" in text
+    assert "4 completed" in text and "dataset" not in text

@@ -1,0 +1,101 @@
+"""Single-process runs of the real runtime on small configs: file contents, exact FL
+traffic, determinism, divergence."""
+
+import numpy as np
+import pytest
+
+from fedmpi import config as cfg
+from fedmpi.comm import LocalComm
+from fedmpi.results import RunFile
+from fedmpi.runtime import run_experiment
+
+from helpers import TINY, merged
+
+
+def run_tiny(tmp_path, name="run", **over):
+    values = merged(TINY, **over)
+    values["output"] = str(tmp_path / f"{name}.h5")
+    c = cfg.from_dict(values)
+    exp = run_experiment(c, LocalComm(), quiet=True)
+    return c, exp, RunFile(c.output_path())
+
+
+def test_fedavg_file_has_every_part_and_exact_fl_traffic(tmp_path):
+    c, exp, run = run_tiny(tmp_path)
+    with run:
+        assert run.status == "completed"
+        assert run.config["algorithm"]["name"] == "fedavg"
+        rounds = run.rounds()
+        assert rounds["round"].tolist() == [1, 2, 3]
+        d = exp.d
+        per_round = c.clients.per_round * d * 4
+        assert rounds["fl_bytes_down"].tolist() == [per_round] * 3
+        assert rounds["fl_bytes_up"].tolist() == [per_round] * 3
+        assert (rounds["fl_bytes_down"] + rounds["fl_bytes_up"]).sum() == c.rounds * c.clients.per_round * 2 * d * 4
+        assert rounds["mpi_bytes"].tolist() == [0, 0, 0]  # one process moves nothing
+        assert np.all(np.isfinite(rounds["test_acc"])) and np.all(rounds["time_wall"] > 0)
+        clients = run.clients()
+        assert len(clients["client"]) == c.rounds * c.clients.per_round
+        assert np.all(clients["bytes_down"] == d * 4)
+        part = run.partition()
+        assert part["client_sizes"].sum() == 600
+        assert part["class_counts"].sum() == 600
+        assert run.model().shape == (d,)
+        assert set(run.state_dict()) == {n for n, _, _ in exp.flat.layout_rows()}
+
+
+def test_fedavg_moves_the_model_and_learns(tmp_path):
+    c, exp, run = run_tiny(tmp_path, rounds=8, partition={"kind": "iid"},
+                           clients={"num": 4, "per_round": 4}, train={"lr": 0.1},
+                           model={"hidden": 64, "channels": [8, 16]})
+    with run:
+        acc = run.rounds()["test_acc"]
+        assert acc[-1] > 0.4 and acc[-1] > acc[0]  # 10 classes: chance is 0.1
+        assert np.all(run.rounds()["update_norm"] > 0)
+
+
+def test_deterministic_single_process_equals_fast_single_process(tmp_path):
+    _, _, fast = run_tiny(tmp_path, "fast", system={"threads": 1})
+    _, _, det = run_tiny(tmp_path, "det", system={"deterministic": True})
+    with fast, det:
+        assert np.array_equal(fast.model(), det.model())
+        assert np.array_equal(fast.rounds()["test_acc"], det.rounds()["test_acc"])
+
+
+def test_same_seed_same_bits_other_seed_other_result(tmp_path):
+    _, _, a = run_tiny(tmp_path, "a", system={"deterministic": True})
+    _, _, b = run_tiny(tmp_path, "b", system={"deterministic": True})
+    _, _, other = run_tiny(tmp_path, "c", seed=4, system={"deterministic": True})
+    with a, b, other:
+        assert np.array_equal(a.model(), b.model())
+        assert not np.array_equal(a.model(), other.model())
+
+
+def test_fedprox_with_mu_zero_is_fedavg(tmp_path):
+    _, _, avg = run_tiny(tmp_path, "avg", system={"deterministic": True})
+    _, _, prox = run_tiny(tmp_path, "prox", algorithm={"name": "fedprox", "mu": 0.0},
+                          system={"deterministic": True})
+    _, _, prox1 = run_tiny(tmp_path, "prox1", algorithm={"name": "fedprox", "mu": 1.0},
+                           system={"deterministic": True})
+    with avg, prox, prox1:
+        assert np.array_equal(avg.model(), prox.model())
+        assert not np.array_equal(avg.model(), prox1.model())
+
+
+def test_divergence_stops_and_marks_the_file(tmp_path):
+    c, exp, run = run_tiny(tmp_path, train={"lr": 1e6, "clip_norm": 0.0})
+    with run:
+        assert exp.diverged
+        assert run.status == "failed"
+        assert len(run.rounds()["round"]) >= 1
+        assert "diverged" in run.attrs["error"]
+
+
+def test_existing_file_is_refused_without_force(tmp_path):
+    c, _, run = run_tiny(tmp_path)
+    run.close()
+    before = c.output_path().read_bytes()
+    from fedmpi.errors import UsageError
+    with pytest.raises(UsageError, match="--force"):
+        run_experiment(c, LocalComm(), quiet=True)
+    assert c.output_path().read_bytes() == before
