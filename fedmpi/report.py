@@ -58,8 +58,8 @@ def _experiment(config: dict) -> list[tuple[str, str]]:
             lines.append((label, str(_get(config, key))))
     kind, alpha = _get(config, "partition.kind"), _get(config, "partition.alpha")
     if kind is not None:
-        lines.append(("partition", f"{kind} (alpha={alpha})" if alpha is not None else str(kind)))
-    clients, per_round = _get(config, "clients"), _get(config, "clients_per_round")
+        lines.append(("partition", f"{kind} (alpha={alpha})" if alpha is not None and kind == "dirichlet" else str(kind)))
+    clients, per_round = _get(config, "clients.num"), _get(config, "clients.per_round")
     parts = [f"{clients} total" if clients is not None else None,
              f"{per_round} per round" if per_round is not None else None]
     if any(parts):

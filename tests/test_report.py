@@ -8,7 +8,7 @@ from fedmpi.results.schema import CLIENT_FIELDS, ROUND_FIELDS
 
 NAN = float("nan")
 CONFIG = {"algorithm": {"name": "fedavg"}, "data": {"dataset": "cifar10"}, "model": {"name": "cnn"},
-          "partition": {"kind": "dirichlet", "alpha": 0.3}, "clients": 100, "clients_per_round": 10,
+          "partition": {"kind": "dirichlet", "alpha": 0.3}, "clients": {"num": 100, "per_round": 10},
           "rounds": 4}
 
 

@@ -35,16 +35,6 @@ def make_writer(path, force=False):
                                 layout=LAYOUT, partition=PARTITION, force=force)
 
 
-def write_golden(path):
-    """A small complete run; saved as tests/data/results-v1.h5 to keep schema 1 readable."""
-    with make_writer(path, force=True) as writer:
-        for r in (1, 2):
-            writer.append_round({"round": r, "test_acc": 0.5 * r, "fl_bytes_down": 208.0})
-            writer.append_clients({"round": np.array([r, r]), "client": np.array([0, 1])})
-        writer.write_model(np.arange(N_PARAMS))
-        writer.set_status("completed")
-
-
 def test_round_trip_values_dtypes_and_nan_fill(tmp_path):
     path = tmp_path / "run.h5"
     with make_writer(path) as writer:
@@ -273,14 +263,18 @@ def test_rejects_newer_schema(tmp_path):
         RunFile(path)
 
 
-@pytest.mark.skipif(not GOLDEN_V1.exists(), reason="tests/data/results-v1.h5 not generated yet")
-def test_schema_v1_file_still_reads():
+def test_schema_v1_file_from_a_real_run_still_reads():
+    """tests/data/results-v1.h5: `fedmpi run` of the tiny test config (2 rounds, seed 5,
+    deterministic) as schema version 1 wrote it. Keep it; add a file per new version."""
     with open_run(GOLDEN_V1) as run:
-        assert run.status == "completed"
-        assert run.rounds()["test_acc"].tolist() == [0.5, 1.0]
-        assert run.state_dict()["conv.bias"].tolist() == [18.0, 19.0]
-
-
-if __name__ == "__main__":  # python tests/test_results.py  -> (re)generate the golden file
-    write_golden(GOLDEN_V1)
-    print(f"wrote {GOLDEN_V1}")
+        assert run.status == "completed" and run.attrs["schema_version"] == 1
+        assert run.config["algorithm"]["name"] == "fedavg" and run.config["seed"] == 5
+        rounds = run.rounds()
+        assert rounds["round"].tolist() == [1, 2]
+        d = run.attrs["num_params"]
+        assert rounds["fl_bytes_up"].tolist() == [5 * d * 4] * 2
+        assert len(run.clients()["client"]) == 10
+        sd = run.state_dict()
+        assert sd["body.0.weight"].shape == (4, 1, 5, 5) and sd["classifier.bias"].shape == (10,)
+        assert sum(v.size for v in sd.values()) == d == run.model().size
+        assert run.partition()["client_sizes"].sum() == 600

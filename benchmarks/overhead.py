@@ -1,0 +1,250 @@
+"""fedmpi against a bare PyTorch loop doing exactly the same SGD steps, on one machine.
+
+The workload of DESIGN.md section 11: Fashion-MNIST, 100 clients with Dirichlet(0.3)
+label skew, 10 clients per round, 1 local epoch, batch 50, the two-conv CNN with a
+820-wide hidden layer (0.90M parameters), 20 rounds, FedAvg, gradient clipping at 10.
+Every variant trains the same clients on the same batches in the same order (fedmpi's
+keyed sampler and batch order), so the final models agree up to floating point.
+
+Variants, each timed over the 20 rounds (setup excluded), in the same run:
+
+- ``bare``: the loop a researcher writes: the model in the default layout, the dataset
+  normalised to float once, ``torch.optim.SGD`` and ``clip_grad_norm_``, 2 threads.
+- ``fedmpi``: ``fedmpi run`` in one process (2 threads).
+- ``limit``: two 1-thread processes that each train their half of every round's clients
+  (fedmpi's placement and kernels) with no communication at all: the best any 2-worker
+  layout can do on 2 cores.
+- ``mpirun``: ``mpirun -n 3 fedmpi run`` (server + 2 workers, 1 thread each).
+
+Targets (issue 2): fedmpi / bare <= 0.85; mpirun / limit <= 1.05.
+
+    python benchmarks/overhead.py                 # full workload, 2 repetitions
+    python benchmarks/overhead.py --rounds 5 --repeat 1  # quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from fedmpi import config as cfgmod
+from fedmpi.data import load_dataset, make_partition, to_float
+from fedmpi.models import build_model
+from fedmpi.runtime.plan import place, sample_clients
+from fedmpi.runtime.rng import key_seed, torch_generator
+from fedmpi.runtime.system import tune_malloc
+
+WORKLOAD = {
+    "name": "bench", "seed": 0, "rounds": 20,
+    "data": {"dataset": "fashion_mnist"},
+    "partition": {"kind": "dirichlet", "alpha": 0.3},
+    "clients": {"num": 100, "per_round": 10},
+    "model": {"name": "cnn", "hidden": 820},
+    "algorithm": {"name": "fedavg"},
+    "train": {"local_epochs": 1, "batch_size": 50, "lr": 0.05, "clip_norm": 10.0},
+    "eval": {"every": 1000},  # only the last round: the variants compare training
+}
+
+
+def workload(rounds: int) -> dict:
+    values = json.loads(json.dumps(WORKLOAD))
+    values["rounds"] = rounds
+    return values
+
+
+def setup(values):
+    """Data, partition and the initial model exactly as the fedmpi runtime builds them."""
+    c = cfgmod.from_dict(values)
+    data = load_dataset(c.data.dataset, seed=c.seed)
+    part = make_partition("dirichlet", data.train_y.numpy(), c.clients.num, c.seed,
+                          alpha=c.partition.alpha, min_size=c.partition.min_size)
+    torch.manual_seed(key_seed(c.seed, "init"))
+    model = build_model("cnn", data.in_channels, data.num_classes, data.image_size, **c.model.options)
+    return c, data, part, model
+
+
+def batches(c, part, t, client, n_epochs=1):
+    """fedmpi's batch order for (seed, round, client, phase 0)."""
+    idx = torch.as_tensor(part.client(client))
+    order = torch_generator(c.seed, "batch", t, client, 0)
+    for _ in range(n_epochs):
+        perm = idx[torch.randperm(len(idx), generator=order)]
+        for s in range(0, len(perm), c.train.batch_size):
+            yield perm[s:s + c.train.batch_size]
+
+
+# ---- bare loop --------------------------------------------------------------------------
+
+def run_bare(values) -> dict:
+    torch.set_num_threads(2)
+    tune_malloc()
+    c, data, part, model = setup(values)
+    x_all = to_float(data.train_x, data.mean, data.std)   # normalised once, as a bare loop does
+    y_all = data.train_y
+    global_state = {k: v.clone() for k, v in model.state_dict().items()}
+    sizes = part.sizes
+    t0 = time.perf_counter()
+    for t in range(c.rounds):
+        total = {k: torch.zeros_like(v) for k, v in global_state.items()}
+        clients = sample_clients(c.seed, t, c.clients.num, c.clients.per_round)
+        weight = float(sizes[clients].sum())
+        for client in clients.tolist():
+            model.load_state_dict(global_state)
+            opt = torch.optim.SGD(model.parameters(), lr=c.train.lr)
+            model.train()
+            for b in batches(c, part, t, client):
+                opt.zero_grad()
+                F.cross_entropy(model(x_all[b]), y_all[b]).backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), c.train.clip_norm)
+                opt.step()
+            for k, v in model.state_dict().items():
+                total[k] += v * (sizes[client] / weight)
+        global_state = total
+    model.load_state_dict(global_state)
+    acc = _accuracy(model, data)
+    wall = time.perf_counter() - t0
+    params = torch.cat([v.reshape(-1) for v in global_state.values()])
+    return {"wall": wall, "acc": acc, "params": params.tolist()}
+
+
+@torch.no_grad()
+def _accuracy(model, data) -> float:
+    model.eval()
+    x = to_float(data.test_x, data.mean, data.std)
+    return float((model(x).argmax(1) == data.test_y).float().mean())
+
+
+# ---- communication-free limit: one half of the clients, fedmpi's kernels ------------------
+
+def run_half(values, part_index: int, parts: int) -> dict:
+    """Train this process's share of every round (fedmpi placement, FlatModel NHWC,
+    local SGD on the flat buffer), 1 thread, no communication."""
+    from fedmpi.algorithms import ClientTask, build
+    from fedmpi.flat import FlatModel
+    from fedmpi.runtime.clientdata import DeviceData
+
+    torch.set_num_threads(1)
+    tune_malloc()
+    c, data, part, model = setup(values)
+    flat = FlatModel(model, channels_last=True)
+    dev = DeviceData(data, torch.device("cpu"), augment=False, crop_padding=0, flip=False,
+                     channels_last=True)
+    alg = build("fedavg", {})
+    x = flat.params.clone()
+    exp = _context_factory(c)
+    t0 = time.perf_counter()
+    for t in range(c.rounds):
+        clients = sample_clients(c.seed, t, c.clients.num, c.clients.per_round)
+        mine = place(clients, part.sizes, parts)[part_index]
+        ctx = exp(t, clients)
+        acc = torch.zeros(flat.size)
+        for client in mine.tolist():
+            task = ClientTask(client, dev.client(part.client(client), c.seed, t, client, 0), flat,
+                              torch.device("cpu"))
+            upload = alg.local_update(task, {"x": x}, None, ctx)
+            acc += upload.delta * float(upload.num_samples)
+    return {"wall": time.perf_counter() - t0}
+
+
+def _context_factory(c):
+    from fedmpi.algorithms import RoundContext
+
+    def make(t, clients):
+        tr = c.train
+        lr = tr.lr * tr.lr_decay ** t
+        return RoundContext(round=t, phase="train", lr=lr, lr_prev=lr, global_lr=1.0,
+                            weight_decay=tr.weight_decay, clip_norm=tr.clip_norm,
+                            local_epochs=tr.local_epochs, batch_size=tr.batch_size,
+                            num_clients=c.clients.num, participants=tuple(clients.tolist()),
+                            seed=c.seed)
+    return make
+
+
+# ---- orchestration -----------------------------------------------------------------------
+
+def _sub(args, env=None) -> subprocess.CompletedProcess:
+    proc = subprocess.run(args, capture_output=True, text=True, env=dict(os.environ, **(env or {})))
+    if proc.returncode:
+        raise SystemExit(f"{' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def time_fedmpi(config_path: Path, out: Path, ranks: int | None) -> dict:
+    from fedmpi.results import RunFile
+
+    cmd = [sys.executable, "-m", "fedmpi", "run", "-q", "--force", str(config_path), "-o", str(out)]
+    if ranks:
+        mpirun = str(Path(sys.executable).parent / "mpirun")
+        cmd = [mpirun, "-n", str(ranks), "--oversubscribe", "--bind-to", "none"] + cmd
+    _sub(cmd, env={"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
+    with RunFile(out) as run:
+        rounds = run.rounds()
+        return {"wall": float(rounds["time_wall"].sum()), "acc": float(rounds["test_acc"][-1]),
+                "params": run.model()}
+
+
+def time_limit(config_values: dict) -> dict:
+    blob = json.dumps(config_values)
+    procs = [subprocess.Popen([sys.executable, __file__, "--half", str(k), "--values", blob],
+                              stdout=subprocess.PIPE, text=True) for k in range(2)]
+    walls = [json.loads(p.communicate()[0].strip().splitlines()[-1])["wall"] for p in procs]
+    return {"wall": max(walls)}
+
+
+def time_bare(config_values: dict) -> dict:
+    proc = _sub([sys.executable, __file__, "--bare", "--values", json.dumps(config_values)])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--bare", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--half", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--values", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.bare:
+        print(json.dumps(run_bare(json.loads(args.values))))
+        return
+    if args.half is not None:
+        print(json.dumps(run_half(json.loads(args.values), args.half, 2)))
+        return
+    values = workload(args.rounds)
+    tmp = Path(tempfile.mkdtemp(prefix="fedmpi-bench-"))
+    config_path = tmp / "bench.toml"
+    config_path.write_text(cfgmod.to_toml(values))
+    times = {"bare": [], "fedmpi": [], "limit": [], "mpirun": []}
+    for rep in range(args.repeat):
+        bare = time_bare(values)
+        single = time_fedmpi(config_path, tmp / "single.h5", None)
+        limit = time_limit(values)
+        multi = time_fedmpi(config_path, tmp / "mpi.h5", 3)
+        for name, r in (("bare", bare), ("fedmpi", single), ("limit", limit), ("mpirun", multi)):
+            times[name].append(r["wall"])
+        diff = float(np.max(np.abs(np.asarray(bare["params"]) - single["params"])))
+        print(f"rep {rep + 1}: bare {bare['wall']:.2f} s (acc {bare['acc']:.4f})  fedmpi "
+              f"{single['wall']:.2f} s (acc {single['acc']:.4f})  limit {limit['wall']:.2f} s  "
+              f"mpirun -n 3 {multi['wall']:.2f} s (acc {multi['acc']:.4f})  "
+              f"max |bare - fedmpi| param diff {diff:.2e}", flush=True)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"\nworkload: {args.rounds} rounds, 100 clients Dir(0.3), 10/round, E=1, B=50, "
+          f"cnn 0.90M params, Fashion-MNIST; medians of {args.repeat}")
+    print(f"  fedmpi (1 process) / bare loop      = {med['fedmpi'] / med['bare']:.3f}   (target <= 0.85)")
+    print(f"  mpirun -n 3 / comm-free 2-proc limit = {med['mpirun'] / med['limit']:.3f}   (target <= 1.05)")
+    print(f"  comm-free limit / fedmpi 1 process   = {med['limit'] / med['fedmpi']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
