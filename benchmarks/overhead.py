@@ -12,8 +12,9 @@ Variants, each timed over the 20 rounds (setup excluded), in the same run:
   normalised to float once, ``torch.optim.SGD`` and ``clip_grad_norm_``, 2 threads.
 - ``fedmpi``: ``fedmpi run`` in one process (2 threads).
 - ``limit``: two 1-thread processes that each train their half of every round's clients
-  (fedmpi's placement and kernels) with no communication at all: the best any 2-worker
-  layout can do on 2 cores.
+  and score their half of the test set in the last round (fedmpi's placement, kernels
+  and evaluation chunks) with no communication at all: the best any 2-worker layout
+  can do on 2 cores.
 - ``mpirun``: ``mpirun -n 3 fedmpi run`` (server + 2 workers, 1 thread each).
 
 Targets (issue 2): fedmpi / bare <= 0.85; mpirun / limit <= 1.05.
@@ -40,6 +41,7 @@ import torch.nn.functional as F
 
 from fedmpi import config as cfgmod
 from fedmpi.data import load_dataset, make_partition, to_float
+from fedmpi.evaluation import chunks_of, evaluate_chunks
 from fedmpi.models import build_model
 from fedmpi.runtime.plan import place, sample_clients
 from fedmpi.runtime.rng import key_seed, torch_generator
@@ -119,10 +121,13 @@ def run_bare(values) -> dict:
 
 
 @torch.no_grad()
-def _accuracy(model, data) -> float:
+def _accuracy(model, data, batch_size=1000) -> float:
     model.eval()
-    x = to_float(data.test_x, data.mean, data.std)
-    return float((model(x).argmax(1) == data.test_y).float().mean())
+    correct = 0
+    for s in range(0, len(data.test_y), batch_size):
+        x = to_float(data.test_x[s:s + batch_size], data.mean, data.std)
+        correct += int((model(x).argmax(1) == data.test_y[s:s + batch_size]).sum())
+    return correct / len(data.test_y)
 
 
 # ---- communication-free limit: one half of the clients, fedmpi's kernels ------------------
@@ -154,6 +159,9 @@ def run_half(values, part_index: int, parts: int) -> dict:
                               torch.device("cpu"))
             upload = alg.local_update(task, {"x": x}, None, ctx)
             acc += upload.delta * float(upload.num_samples)
+    flat.load(x)
+    chunks = chunks_of(len(data.test_y), c.eval.batch_size, part_index, parts)
+    evaluate_chunks(flat.module, dev, chunks, c.eval.batch_size)
     return {"wall": time.perf_counter() - t0}
 
 

@@ -81,7 +81,7 @@ class TrainConfig:
 @dataclass
 class EvalConfig:
     every: int = 1                     # evaluate every k rounds (and always the last round)
-    batch_size: int = 1000
+    batch_size: int = 250              # also the chunk a worker scores; 250 keeps activations in cache
 
 
 @dataclass

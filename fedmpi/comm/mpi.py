@@ -6,6 +6,11 @@ the very workers it waits for. So every collective first waits for all ranks to 
 on a non-blocking barrier, testing it with a sleep that backs off to ``max_sleep``,
 and only then runs the (now fast) blocking collective. The first wait is idle time,
 the second is communication time; both are recorded per rank.
+
+The sleep grows with the time already waited (2% of it, between 10 us and
+``max_sleep``): a collective whose ranks are all there is entered within microseconds,
+while a server waiting a second for its workers wakes only a few dozen times, so it
+adds at most ~2% latency and takes no measurable CPU from the workers it waits for.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from .base import Comm, Ledger, Stopwatch, as_array
 
 
 class MPIComm(Comm):
-    def __init__(self, comm=None, max_sleep: float = 1e-3):
+    def __init__(self, comm=None, max_sleep: float = 0.02):
         from mpi4py import MPI  # imported here so single-process runs never load MPI
 
         self.MPI = MPI
@@ -33,10 +38,10 @@ class MPIComm(Comm):
         """Wait for every rank without spinning: Ibarrier + Test with backoff sleep."""
         with Stopwatch(self.ledger, "idle_seconds"):
             request = self.comm.Ibarrier()
-            pause = 1e-5
+            start = time.perf_counter()
             while not request.Test():
-                time.sleep(pause)
-                pause = min(pause * 2, self.max_sleep)
+                waited = time.perf_counter() - start
+                time.sleep(min(max(1e-5, 0.02 * waited), self.max_sleep))
         self.ledger.calls += 1
 
     def _count(self, nbytes: int, root: int, to_root: bool) -> None:
