@@ -8,7 +8,7 @@ import pytest
 from fedmpi.results import RunFile
 
 from conftest import fedmpi, mpirun, needs_mpi
-from helpers import write_config
+from helpers import TINY, write_config
 
 
 def assert_usage_error(proc, *words):
@@ -71,3 +71,32 @@ def test_report_rejects_a_file_that_is_not_a_run(tmp_path):
     bad = tmp_path / "notes.h5"
     bad.write_text("hello")
     assert_usage_error(fedmpi(["report", str(bad)]), str(bad))
+
+
+def test_readme_run_command_on_real_data(tmp_path):
+    """`fedmpi run` as the README gives it: the embedded default on MNIST-5k, from scratch."""
+    proc = fedmpi(["run"], cwd=tmp_path, timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    out = tmp_path / "runs" / "default-fedavg-seed0.h5"
+    assert f"results: runs/default-fedavg-seed0.h5" in proc.stdout
+    with RunFile(out) as run:
+        acc = run.rounds()["test_acc"]
+        assert run.status == "completed" and len(acc) == 30
+        assert acc[-1] > 0.85 and acc[0] < acc[-1]  # chance is 0.10
+        assert run.attrs["dataset_source"].endswith("mnist_5k.csv.gz")
+
+
+@needs_mpi
+@pytest.mark.skipif(not __import__("pathlib").Path("/usr/share/datasets/fashion-mnist").is_dir(),
+                    reason="Fashion-MNIST (Debian dataset-fashion-mnist) not installed")
+def test_fashion_mnist_under_mpirun(tmp_path):
+    base = dict(TINY, data={"dataset": "fashion_mnist"})
+    config = write_config(tmp_path / "fm.toml", base, rounds=2, clients={"num": 20, "per_round": 4},
+                          model={"hidden": 128, "channels": [16, 32]},
+                          train={"batch_size": 50, "lr": 0.05})
+    mpirun(3, [sys.executable, "-m", "fedmpi", "run", "-q", str(config), "-o", str(tmp_path / "fm.h5")],
+           timeout=600)
+    with RunFile(tmp_path / "fm.h5") as run:
+        assert run.status == "completed" and run.attrs["world_size"] == 3
+        assert run.partition()["client_sizes"].sum() == 60000
+        assert run.rounds()["test_acc"][-1] > 0.5

@@ -39,6 +39,12 @@ def test_deterministic_is_bitwise_identical_for_any_rank_count(deterministic, tm
         ranks = b.clients()["rank"]
         assert set(ranks.tolist()) <= set(range(1, n)) and 0 not in ranks
         assert np.all(b.rounds()["mpi_bytes"] > 0)
+        ranks = b.ranks()
+        assert len(ranks["rank"]) == 3 * n and sorted(set(ranks["rank"].tolist())) == list(range(n))
+        for r, total in zip(b.rounds()["round"], b.rounds()["mpi_bytes"]):
+            assert ranks["bytes_sent"][ranks["round"] == r].sum() == total
+        workers = ranks["rank"] > 0
+        assert np.all(ranks["seconds_compute"][workers] > 0) and np.all(ranks["seconds_idle"] >= 0)
 
 
 def test_fast_mode_agrees_within_tolerance(tmp_path):

@@ -33,6 +33,8 @@ def test_fedavg_file_has_every_part_and_exact_fl_traffic(tmp_path):
         assert rounds["fl_bytes_up"].tolist() == [per_round] * 3
         assert (rounds["fl_bytes_down"] + rounds["fl_bytes_up"]).sum() == c.rounds * c.clients.per_round * 2 * d * 4
         assert rounds["mpi_bytes"].tolist() == [0, 0, 0]  # one process moves nothing
+        assert run.ranks()["rank"].tolist() == [0, 0, 0]
+        assert np.all(run.ranks()["seconds_compute"] > 0)
         assert np.all(np.isfinite(rounds["test_acc"])) and np.all(rounds["time_wall"] > 0)
         clients = run.clients()
         assert len(clients["client"]) == c.rounds * c.clients.per_round

@@ -107,3 +107,22 @@ def reference(x0, seed, rounds, num_clients, per_round, lam=0.5, beta=0.5):
         x = x + np.mean([0.25 * (last[j] - x) for j in selected], axis=0)
         fl.append(4 * (per_round * (2 * d + d + 2) + len(selected) * 2 * d))
     return x, visits, fl
+
+
+@register
+class ToyCrash(Algorithm):
+    """FedAvg whose local update raises in round ``crash_round`` (failure-path tests)."""
+
+    name = "toy_crash"
+    paper = "test fixture"
+
+    @dataclass(frozen=True)
+    class Params(Params):
+        crash_round: int = field(default=1, metadata={"doc": "0-based round that fails"})
+
+    def local_update(self, task, payload, client_state, ctx):
+        from fedmpi.algorithms import local_sgd
+
+        if ctx.round == self.params.crash_round:
+            raise RuntimeError(f"toy crash in client {task.client}")
+        return local_sgd.local_update(task, payload["x"], ctx)

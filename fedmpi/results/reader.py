@@ -52,6 +52,10 @@ class RunFile:
         """Round columns in the writer's order, e.g. ``pd.DataFrame(run.rounds())``."""
         return self._columns("rounds")
 
+    def ranks(self) -> dict[str, np.ndarray]:
+        """One row per (round, rank): bytes sent/received, busy/idle/comm seconds."""
+        return self._columns("ranks") if "ranks" in self._file else {}
+
     def clients(self) -> dict[str, np.ndarray]:
         """One row per (round, client) participation."""
         return self._columns("clients")

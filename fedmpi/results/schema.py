@@ -41,7 +41,8 @@ RESERVED_ATTRS = frozenset(
 )
 
 # Counts and identifiers: stored exactly as int64 instead of float64.
-INT_FIELDS = frozenset({"round", "client", "rank", "n_samples", "steps", "bytes_down", "bytes_up"})
+INT_FIELDS = frozenset({"round", "client", "rank", "n_samples", "steps", "bytes_down", "bytes_up",
+                        "bytes_sent", "bytes_received"})
 INT_FILL = -1
 
 # What the runtime writes (the writer accepts any field list; these are the documented ones).

@@ -36,7 +36,8 @@ class ResultsWriter:
     @classmethod
     def create(cls, path, *, config: dict, provenance: dict, round_fields: list[str],
                client_fields: list[str], layout: list[tuple[str, tuple[int, ...], int]],
-               partition: dict[str, np.ndarray], force: bool = False) -> "ResultsWriter":
+               partition: dict[str, np.ndarray], force: bool = False,
+               rank_fields: list[str] = ()) -> "ResultsWriter":
         """Create the file with every dataset it will ever append to, then enter SWMR.
 
         All input is checked before the filesystem is touched, so a bad call never
@@ -46,6 +47,8 @@ class ResultsWriter:
         attrs = _root_attrs(config, provenance)
         _check_fields("round_fields", round_fields)
         _check_fields("client_fields", client_fields)
+        if rank_fields:
+            _check_fields("rank_fields", rank_fields)
         layout = _check_layout(layout)
         partition = _partition_arrays(partition)
         _prepare_path(path, force)
@@ -55,6 +58,7 @@ class ResultsWriter:
             _write_partition(h5file.create_group("partition"), partition)
             _create_columns(h5file.create_group("rounds"), round_fields, schema.ROUND_CHUNK)
             _create_columns(h5file.create_group("clients"), client_fields, schema.CLIENT_CHUNK)
+            _create_columns(h5file.create_group("ranks"), list(rank_fields), schema.CLIENT_CHUNK)
             n_params = _write_layout(h5file.create_group("model"), layout)
             h5file.flush()
             h5file.swmr_mode = True
@@ -69,12 +73,19 @@ class ResultsWriter:
 
     def append_clients(self, rows: dict[str, np.ndarray]) -> None:
         """Many participations at once (one per element), so a round costs one flush."""
+        self._append_rows(self._clients, "client_fields", rows)
+
+    def append_ranks(self, rows: dict[str, np.ndarray]) -> None:
+        """One row per (round, rank): bytes moved, busy and idle seconds of each rank."""
+        self._append_rows(self._ranks, "rank_fields", rows)
+
+    def _append_rows(self, columns, what: str, rows: dict[str, np.ndarray]) -> None:
         lengths = {np.shape(v) for v in rows.values()}
         if len(lengths) > 1 or any(len(n) != 1 for n in lengths):
-            raise ValueError(f"client rows must be equal-length 1-D arrays, got shapes {sorted(lengths)}")
+            raise ValueError(f"{what} rows must be equal-length 1-D arrays, got shapes {sorted(lengths)}")
         n = lengths.pop()[0] if lengths else 0
         if n:
-            self._append(self._clients, "client_fields", rows, n)
+            self._append(columns, what, rows, n)
 
     def write_model(self, params: np.ndarray, name: str = "final") -> None:
         """Store a flat parameter vector as float32 under /model/<name> (replacing it)."""
@@ -142,6 +153,8 @@ class ResultsWriter:
         """Cache dataset handles; they go stale whenever ``edit`` reopens the file."""
         self._rounds = {name: ds for name, ds in self._file["rounds"].items()}
         self._clients = {name: ds for name, ds in self._file["clients"].items()}
+        self._ranks = {name: ds for name, ds in self._file["ranks"].items()} \
+            if "ranks" in self._file else {}
 
     def _append(self, columns: dict, what: str, values: dict, n: int) -> None:
         """Convert every column before growing any, so a bad value cannot leave them ragged."""

@@ -48,6 +48,8 @@ ROUND_FIELDS = ["round", "time_wall", "time_compute", "time_compute_min", "time_
                 "update_norm"]
 CLIENT_FIELDS = ["round", "phase", "client", "rank", "n_samples", "steps", "train_loss",
                  "update_norm", "seconds", "bytes_down", "bytes_up"]
+RANK_FIELDS = ["round", "rank", "bytes_sent", "bytes_received", "seconds_compute",
+               "seconds_idle", "seconds_comm"]
 _ROW = ["client", "rank", "n_samples", "steps", "train_loss", "update_norm", "seconds"]
 WIRE_BYTES = 4  # float32 on the simulated wire
 
@@ -129,7 +131,7 @@ class Experiment:
         self.writer = ResultsWriter.create(
             cfg.output_path(), config=cfg.to_dict(), provenance=provenance,
             round_fields=ROUND_FIELDS + self._diagnostic_fields(),
-            client_fields=self._client_fields(),
+            client_fields=self._client_fields(), rank_fields=RANK_FIELDS,
             layout=self.flat.layout_rows(), partition=partition, force=self.force)
 
     def _diagnostic_fields(self) -> list[str]:
@@ -189,15 +191,38 @@ class Experiment:
         stats = comm.gather_obj(self._rank_stats(timers), count=False)
         if comm.is_server:
             row = self._round_row(t, wall, timers, stats, rows, fl, acc, test_loss, x_before)
-            self._write(t, row, rows)
+            self._write(t, row, rows, stats)
 
     # ---- one phase ----------------------------------------------------------------------
     def _phase(self, t, p, phase, sampled, timers, fl) -> dict | None:
-        comm, alg = self.comm, self.alg
-        head, buf = None, None
+        """Steps 2-4 of a round for one phase; returns the per-client columns on the server."""
+        participants, assignment, payload = self._announce(t, phase, sampled)
+        ctx = self._context(t, phase, participants)
+        states = self._scatter_states(assignment)
+        t0 = time.perf_counter()
+        folded, rows, new_states = self._train(assignment, payload, states, ctx, p)
+        timers["compute"] += time.perf_counter() - t0
+        sums = self._collect_sums(folded, assignment)
+        gathered = self._collect_rows(rows)
+        self._gather_states(new_states)
+        if not self.comm.is_server:
+            return None
+        t0 = time.perf_counter()
+        self.alg.server_update(self.state, sums, gathered, ctx)
+        timers["aggregate"] += time.perf_counter() - t0
+        down, up = (n * WIRE_BYTES for n in self.alg.traffic(self.d, phase))
+        fl[0] += down * len(participants)
+        fl[1] += up * len(participants)
+        n = len(participants)
+        return {**gathered, "phase": np.full(n, p), "bytes_down": np.full(n, down),
+                "bytes_up": np.full(n, up)}
+
+    def _announce(self, t, phase, sampled):
+        """Server -> all: participants, placement and the payload (one flat buffer)."""
+        comm, head, buf = self.comm, None, None
         if comm.is_server:
-            participants = np.asarray(alg.phase_participants(self.state, phase, sampled))
-            payload = alg.payload(self.state, self._context(t, phase, participants))
+            participants = np.asarray(self.alg.phase_participants(self.state, phase, sampled))
+            payload = self.alg.payload(self.state, self._context(t, phase, participants))
             spec = [(k, v.numel()) for k, v in payload.items()]
             head = (self.stop, participants, place(participants, self.sizes, comm.num_workers), spec)
             buf = torch.cat([v.reshape(-1).to(torch.float32) for v in payload.values()])
@@ -207,28 +232,7 @@ class Experiment:
         if buf is None:
             buf = torch.empty(sum(n for _, n in spec), dtype=torch.float32)
         comm.bcast(buf)
-        ctx = self._context(t, phase, participants)
-        states = self._scatter_states(assignment)
-        mine = assignment[comm.worker_index] if comm.is_worker else np.zeros(0, np.int64)
-        t0 = time.perf_counter()
-        contributions, rows, new_states = self._train(mine, _split(buf, spec, self.device),
-                                                      states, ctx, p) \
-            if comm.is_worker else (None, np.zeros((0, len(_ROW) + self._gather_width())), {})
-        timers["compute"] += time.perf_counter() - t0
-        sums = self._collect_sums(contributions, assignment, participants)
-        gathered = self._collect_rows(rows)
-        self._gather_states(new_states)
-        if not comm.is_server:
-            return None
-        down, up = alg.traffic(self.d, phase)
-        fl[0] += down * WIRE_BYTES * len(participants)
-        fl[1] += up * WIRE_BYTES * len(participants)
-        t0 = time.perf_counter()
-        alg.server_update(self.state, sums, gathered, ctx)
-        timers["aggregate"] += time.perf_counter() - t0
-        gathered.update(phase=np.full(len(participants), p), bytes_down=np.full(len(participants), down * WIRE_BYTES),
-                        bytes_up=np.full(len(participants), up * WIRE_BYTES))
-        return gathered
+        return participants, assignment, _split(buf, spec, self.device)
 
     def _context(self, t, phase, participants) -> algorithms.RoundContext:
         tr = self.config.train
@@ -239,75 +243,58 @@ class Experiment:
             batch_size=tr.batch_size, num_clients=self.config.clients.num,
             participants=tuple(int(c) for c in participants), seed=self.config.seed)
 
-    def _gather_width(self) -> int:
-        return sum(self.alg.gather_sizes(self.d).values())
-
-    def _train(self, mine, payload, states, ctx, p):
-        """Train this worker's clients; fold contributions as they come."""
+    def _train(self, assignment, payload, states, ctx, p):
+        """Train this worker's clients, folding each contribution in as it comes."""
         sizes = self.alg.contribution_sizes(self.d)
-        total = sum(sizes.values())
-        deterministic = self.config.system.deterministic
-        acc = None if deterministic else torch.zeros(total, device=self.device)
-        per_client, rows, new_states = [], [], {}
-        for c in mine.tolist():
+        folded = Contributions(sizes, self.device, keep_each=self.config.system.deterministic)
+        rows, new_states = [], {}
+        mine = assignment[self.comm.worker_index] if self.comm.is_worker else []
+        for c in np.asarray(mine).tolist():
             t0 = time.perf_counter()
             data = self.data.client(self.indices[self.offsets[c]:self.offsets[c + 1]],
                                     self.config.seed, ctx.round, c, p)
             task = algorithms.ClientTask(client=c, data=data, model=self.flat, device=self.device)
             torch.manual_seed(key_seed(self.config.seed, "client", ctx.round, c, p))  # dropout
             upload = self.alg.local_update(task, payload, states.get(c), ctx)
-            vec = per_client_vector(self.alg.contribution(upload), sizes, total, self.device)
-            if deterministic:
-                per_client.append(vec.cpu())
-            else:
-                acc += vec
+            folded.add(self.alg.contribution(upload))
             if upload.state is not None:
                 new_states[c] = {k: v.detach().cpu().numpy() for k, v in upload.state.items()}
-            gathered = self.alg.gather(upload)  # a field a phase does not produce is NaN
-            extras = [gathered[k].reshape(-1).double().cpu() if k in gathered
-                      else torch.full((n,), math.nan, dtype=torch.float64)
-                      for k, n in self.alg.gather_sizes(self.d).items()]
-            rows.append(np.concatenate([[c, self.comm.rank, upload.num_samples, upload.steps,
-                                         upload.loss, float(torch.linalg.vector_norm(upload.delta)),
-                                         time.perf_counter() - t0]] + [e.numpy() for e in extras]))
-        if deterministic:
-            contributions = torch.stack(per_client) if per_client else torch.zeros(0, total)
-        else:
-            contributions = acc.cpu()
-        width = len(_ROW) + self._gather_width()
-        return contributions, np.asarray(rows, dtype=np.float64).reshape(-1, width), new_states
+            rows.append(self._client_row(c, upload, time.perf_counter() - t0))
+        return folded, np.asarray(rows, dtype=np.float64).reshape(-1, self._row_width()), new_states
 
-    def _collect_sums(self, contributions, assignment, participants) -> dict | None:
+    def _client_row(self, c, upload, seconds) -> np.ndarray:
+        """The _ROW values, then the algorithm's gathered fields (NaN where a phase has none)."""
+        gathered = self.alg.gather(upload)
+        extras = [gathered[k].detach().reshape(-1).double().cpu().numpy() if k in gathered
+                  else np.full(n, math.nan) for k, n in self.alg.gather_sizes(self.d).items()]
+        head = [c, self.comm.rank, upload.num_samples, upload.steps, upload.loss,
+                float(torch.linalg.vector_norm(upload.delta)), seconds]
+        return np.concatenate([head] + extras)
+
+    def _row_width(self) -> int:
+        return len(_ROW) + sum(self.alg.gather_sizes(self.d).values())
+
+    def _collect_sums(self, folded: "Contributions", assignment) -> dict | None:
         """Sum of contributions on the server: one Reduce, or in client order if deterministic."""
-        sizes = self.alg.contribution_sizes(self.d)
-        total = sum(sizes.values())
-        comm = self.comm
-        if self.config.system.deterministic:
-            send = contributions if contributions is not None else torch.zeros(0, total)
-            parts = comm.gatherv(send.reshape(-1).numpy())
+        comm, sizes = self.comm, self.alg.contribution_sizes(self.d)
+        if folded.keep_each:
+            parts = comm.gatherv(folded.host().reshape(-1).numpy())
             if not comm.is_server:
                 return None
-            by_client = {}
-            for w, part in enumerate(parts[1:] if comm.size > 1 else parts):
-                for c, vec in zip(assignment[w].tolist(), part.reshape(-1, total)):
-                    by_client[c] = vec
-            out = torch.zeros(total)
-            for c in sorted(by_client):
-                out += torch.from_numpy(by_client[c])
+            workers = parts[1:] if comm.size > 1 else parts
+            total = sum_in_client_order(workers, assignment, folded.total)
         else:
-            send = contributions if contributions is not None else torch.zeros(total)
-            out = torch.zeros(total) if comm.is_server else None
-            comm.reduce_sum(send, out)
+            total = torch.zeros(folded.total) if comm.is_server else None
+            comm.reduce_sum(folded.host(), total)
             if not comm.is_server:
                 return None
-        return _split(out, list(sizes.items()), torch.device("cpu"))
+        return _split(total, list(sizes.items()), torch.device("cpu"))
 
     def _collect_rows(self, rows) -> dict | None:
         parts = self.comm.gatherv(rows.reshape(-1))
         if not self.comm.is_server:
             return None
-        width = len(_ROW) + self._gather_width()
-        table = np.concatenate(parts).reshape(-1, width)
+        table = np.concatenate(parts).reshape(-1, self._row_width())
         table = table[np.argsort(table[:, 0], kind="stable")]
         out = {name: table[:, i] for i, name in enumerate(_ROW)}
         col = len(_ROW)
@@ -379,8 +366,11 @@ class Experiment:
             "update_norm": float(torch.linalg.vector_norm(self.state["x"] - x_before)),
         }
 
-    def _write(self, t, row, rows) -> None:
+    def _write(self, t, row, rows, stats) -> None:
         self.writer.append_round(row)
+        stats = np.asarray(stats)
+        self.writer.append_ranks({"round": np.full(len(stats), t + 1), "rank": np.arange(len(stats)),
+                                  **{f: stats[:, i] for i, f in enumerate(RANK_FIELDS[2:])}})
         for gathered in rows:
             self.writer.append_clients({"round": np.full(len(gathered["client"]), t + 1),
                                         **self._client_columns(gathered)})
@@ -418,14 +408,49 @@ class Experiment:
               f"  {row['time_wall']:.2f} s/round  eta {eta:.0f} s", flush=True)
 
 
-def per_client_vector(contribution: dict, sizes: dict, total: int, device) -> torch.Tensor:
-    """One client's contribution dict as one flat vector in ``sizes`` order."""
-    vec = torch.empty(total, device=device)
-    offset = 0
-    for name, n in sizes.items():
-        vec[offset:offset + n] = contribution[name].reshape(-1)
-        offset += n
-    return vec
+class Contributions:
+    """A worker's contributions: a running sum (fast mode) or one flat vector per client
+    in training order (deterministic mode, summed in client order on the server)."""
+
+    def __init__(self, sizes: dict[str, int], device, keep_each: bool):
+        self.sizes, self.device, self.keep_each = sizes, device, keep_each
+        self.total = sum(sizes.values())
+        self.sum = None if keep_each else torch.zeros(self.total, device=device)
+        self.each: list[torch.Tensor] = []
+
+    def add(self, contribution: dict[str, torch.Tensor]) -> None:
+        target = torch.empty(self.total, device=self.device) if self.keep_each else None
+        offset = 0
+        for name, n in self.sizes.items():
+            piece = contribution[name].reshape(-1)
+            if self.keep_each:
+                target[offset:offset + n] = piece
+            else:
+                self.sum[offset:offset + n] += piece
+            offset += n
+        if self.keep_each:
+            self.each.append(target.cpu())
+
+    def host(self) -> torch.Tensor:
+        if not self.keep_each:
+            return self.sum.cpu()
+        return torch.stack(self.each) if self.each else torch.zeros(0, self.total)
+
+
+def sum_in_client_order(parts, assignment, total: int) -> torch.Tensor:
+    """Add per-client vectors in ascending client id, whichever worker sent them.
+
+    ``parts[w]`` holds worker w's vectors in the order of ``assignment[w]``. The float32
+    additions happen in one fixed order, so the sum is the same bits for any layout.
+    """
+    by_client = {}
+    for clients, part in zip(assignment, parts):
+        for c, vec in zip(np.asarray(clients).tolist(), part.reshape(-1, total)):
+            by_client[c] = vec
+    out = torch.zeros(total)
+    for c in sorted(by_client):
+        out += torch.from_numpy(by_client[c])
+    return out
 
 
 def _split(buf: torch.Tensor, spec, device) -> dict[str, torch.Tensor]:
