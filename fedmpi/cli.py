@@ -108,16 +108,20 @@ def presets():
 @main.command()
 def algorithms():
     """List the algorithms with their parameters and defaults."""
-    from .algorithms import REGISTRY, params_table
+    from .algorithms import REGISTRY, message_sizes, params_table
 
     for name in sorted(REGISTRY):
         cls = REGISTRY[name]
         click.echo(f"{name}  ({cls.paper})")
-        doc = (cls.__module__ and sys.modules[cls.__module__].__doc__ or "").strip().splitlines()
+        doc = (sys.modules[cls.__module__].__doc__ or "").strip().splitlines()
         if doc:
             click.echo(f"    {doc[0]}")
-        for field, default, help_text in params_table(cls):
+        click.echo(f"    messages per client: {message_sizes(cls)}")
+        rows = params_table(cls)
+        for field, default, help_text in rows:
             click.echo(f"    algorithm.{field} = {default!r}    {help_text}")
+        if not rows:
+            click.echo("    (no parameters)")
 
 
 @main.command()

@@ -206,7 +206,7 @@ def _one_of(name: str, value: str, allowed) -> None:
 
 
 def validate(c: ExperimentConfig) -> None:
-    """Range checks and cross-field checks; plugins validate their own options."""
+    """Range checks and cross-field checks; fills in model and algorithm defaults."""
     from . import algorithms, models
     from .data import DATASETS, check_dataset_options
 
@@ -229,9 +229,10 @@ def validate(c: ExperimentConfig) -> None:
         _positive("partition.alpha", c.partition.alpha)
     _positive("partition.min_size", c.partition.min_size, allow_zero=True)
     _validate_device(c.system.device)
-    models.check_options(c.model.name, c.model.options)
     check_dataset_options(c.data.dataset, c.data.options)
-    algorithms.check_params(c.algorithm.name, c.algorithm.params)
+    # Resolved = every parameter written out, so the results file says what actually ran.
+    c.model.options = models.check_options(c.model.name, c.model.options)
+    c.algorithm.params = algorithms.resolved_params(c.algorithm.name, c.algorithm.params)
     try:
         c.output_path()
     except (KeyError, IndexError, ValueError) as exc:

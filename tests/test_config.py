@@ -16,7 +16,8 @@ def test_overrides_take_precedence_and_are_typed():
                                "algorithm.name=fedprox", "algorithm.mu=0.5", "model.hidden=64",
                                "system.deterministic=true"])
     assert c.train.lr == 0.2 and c.rounds == 3 and c.data.dataset == "synthetic"
-    assert c.algorithm.params == {"mu": 0.5} and c.model.options == {"hidden": 64}
+    assert c.algorithm.params == {"mu": 0.5}
+    assert c.model.options == {"hidden": 64, "channels": (32, 64)}  # defaults filled in
     assert c.system.deterministic is True
 
 
@@ -45,6 +46,7 @@ BAD = [
     (["algorithm.name=fedfoo"], "algorithm.name"),
     (["algorithm.mu=0.1"], "algorithm.mu"),           # fedavg has no mu
     (["algorithm.name=fedprox", "algorithm.mu=big"], "algorithm.mu"),
+    (["algorithm.name=fedprox", "algorithm.mu=-1"], "algorithm.mu"),
     (["model.name=transformer"], "model.name"),
     (["model.hidden=-3"], "model.hidden"),
     (["system.device=tpu"], "system.device"),

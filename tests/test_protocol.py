@@ -41,6 +41,13 @@ def test_toy_protocol_matches_closed_form(tmp_path):
         assert x0.shape == run.model().shape
 
 
+def test_declared_messages_read_in_units_of_d():
+    from fedmpi.algorithms import REGISTRY, message_sizes
+
+    assert message_sizes(REGISTRY["fedavg"]) == "down d, up d"
+    assert message_sizes(REGISTRY["toy_probe"]) == "train: down 2d, up d + 2; refine: down d, up d"
+
+
 def _initial(c):
     """x^0 as the runtime builds it (seeded model init)."""
     import torch

@@ -19,8 +19,28 @@ def _lookup(name: str) -> type[Algorithm]:
     return REGISTRY[name]
 
 
-def check_params(name: str, params: dict) -> None:
-    build(name, params)
+def resolved_params(name: str, params: dict) -> dict:
+    """Every parameter of ``name`` with its value: the given ones checked, the rest defaults."""
+    return dataclasses.asdict(build(name, params).params)
+
+
+def message_sizes(cls: type[Algorithm]) -> str:
+    """The declared per-client messages in units of d, e.g. 'down 2d, up d + 1'."""
+    big = 10 ** 12
+    parts = []
+    for phase in cls.phases:
+        down, up = cls().traffic(big, phase)
+        label = f"{phase}: " if len(cls.phases) > 1 else ""
+        parts.append(f"{label}down {_in_d(down, big)}, up {_in_d(up, big)}")
+    return "; ".join(parts)
+
+
+def _in_d(n: int, big: int) -> str:
+    times, extra = divmod(n, big)
+    text = {0: "", 1: "d"}.get(times, f"{times}d")
+    if extra:
+        text = f"{text} + {extra}" if text else str(extra)
+    return text or "0"
 
 
 def build(name: str, params: dict) -> Algorithm:
@@ -47,4 +67,4 @@ def _check_type(field: str, value, default) -> None:
 
 
 __all__ = ["REGISTRY", "Algorithm", "ClientTask", "RoundContext", "Upload", "build",
-           "check_params", "params_table", "register"]
+           "message_sizes", "params_table", "register", "resolved_params"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..errors import UsageError
 from . import local_sgd
 from .base import Params, register
 from .fedavg import FedAvg
@@ -30,6 +31,10 @@ class FedProx(FedAvg):
     @dataclass(frozen=True)
     class Params(Params):
         mu: float = field(default=0.01, metadata={"doc": "proximal weight mu (paper grid 0.001-1)"})
+
+        def __post_init__(self):
+            if self.mu < 0:
+                raise UsageError(f"config field algorithm.mu: must be >= 0, got {self.mu}")
 
     def local_update(self, task, payload, client_state, ctx):
         x = payload["x"]

@@ -23,12 +23,21 @@ Correction = Callable[[torch.Tensor, torch.Tensor], None]
 
 def sgd_step(params: torch.Tensor, grads: torch.Tensor, lr: float, weight_decay: float,
              clip_norm: float) -> None:
+    """w <- w - lr (clip(g) + wd w), in two passes over the buffer (norm, fused update).
+
+    On the CPU the clip factor is read as a host scalar and folded into the update's
+    alpha; on a GPU it stays a tensor so the loop never waits for the device.
+    """
+    scale = 1.0
     if clip_norm > 0:
         norm = torch.linalg.vector_norm(grads)
-        grads.mul_(torch.clamp(clip_norm / (norm + 1e-6), max=1.0))
+        if grads.device.type == "cpu":
+            scale = min(1.0, clip_norm / (float(norm) + 1e-6))
+        else:
+            grads.mul_(torch.clamp(clip_norm / (norm + 1e-6), max=1.0))
     if weight_decay:
-        grads.add_(params, alpha=weight_decay)
-    params.add_(grads, alpha=-lr)
+        params.mul_(1.0 - lr * weight_decay)
+    params.add_(grads, alpha=-lr * scale)
 
 
 def train(task: ClientTask, ctx: RoundContext, correction: Correction | None = None,

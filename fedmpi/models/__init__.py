@@ -124,9 +124,10 @@ def _resolve(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
             for key, option in spec.options.items()}
 
 
-def check_options(name: str, options: Mapping[str, Any]) -> None:
-    """Config-time check of a model name and its options (before any MPI work)."""
-    _resolve(name, options)
+def check_options(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """Config-time check of a model name and its options (before any MPI work); returns
+    every option of the model with its checked value or default."""
+    return _resolve(name, options)
 
 
 def build_model(name: str, in_channels: int, num_classes: int, image_size: int,
