@@ -69,8 +69,8 @@ def setup(values):
     """Data, partition and the initial model exactly as the fedmpi runtime builds them."""
     c = cfgmod.from_dict(values)
     data = load_dataset(c.data.dataset, seed=c.seed)
-    part = make_partition("dirichlet", data.train_y.numpy(), c.clients.num, c.seed,
-                          alpha=c.partition.alpha, min_size=c.partition.min_size)
+    part = make_partition(c.partition.kind, data.train_y.numpy(), c.clients.num, c.seed,
+                          **c.partition.params)
     torch.manual_seed(key_seed(c.seed, "init"))
     model = build_model("cnn", data.in_channels, data.num_classes, data.image_size, **c.model.options)
     return c, data, part, model

@@ -9,7 +9,7 @@ Sections of a TOML file (every key optional)::
 
     name, seed, rounds, output, plugins (modules to import: your own algorithms)
     [data]       dataset, data_dir, augment, crop_padding, flip, + dataset options
-    [partition]  kind, alpha, min_size
+    [partition]  kind, + its parameters (dirichlet: alpha, min_size)
     [clients]    num, per_round
     [model]      name, channels_last, + model options (e.g. hidden = 256)
     [algorithm]  name, + algorithm parameters (e.g. mu = 0.01)
@@ -43,9 +43,8 @@ class DataConfig:
 
 @dataclass
 class PartitionConfig:
-    kind: str = "dirichlet"            # iid | dirichlet
-    alpha: float = 0.5                 # Dirichlet concentration; smaller = more label skew
-    min_size: int = 1                  # every client gets at least this many samples
+    kind: str = "iid"                  # iid | dirichlet (alpha: smaller = more label skew; min_size)
+    params: dict = field(default_factory=dict)    # the kind's parameters, e.g. alpha = 0.3
 
 
 @dataclass
@@ -114,13 +113,13 @@ class ExperimentConfig:
     def to_dict(self) -> dict:
         """The resolved config as nested plain data; open sections are flattened back."""
         out = dataclasses.asdict(self)
-        for section, extra in (("data", "options"), ("model", "options"), ("algorithm", "params")):
+        for section, extra in _OPEN.items():
             out[section].update(out[section].pop(extra))
         return out
 
 
 # Sections whose unknown keys are passed on (validated by the dataset, model or algorithm).
-_OPEN = {"data": "options", "model": "options", "algorithm": "params"}
+_OPEN = {"data": "options", "partition": "params", "model": "options", "algorithm": "params"}
 
 
 def _fail(field_name: str, message: str) -> UsageError:
@@ -208,7 +207,7 @@ def _one_of(name: str, value: str, allowed) -> None:
 def validate(c: ExperimentConfig) -> None:
     """Range checks and cross-field checks; fills in model and algorithm defaults."""
     from . import algorithms, models
-    from .data import DATASETS, check_dataset_options
+    from .data import DATASETS, check_dataset_options, partition_params
 
     for name, value in (("rounds", c.rounds), ("clients.num", c.clients.num),
                         ("clients.per_round", c.clients.per_round),
@@ -224,11 +223,8 @@ def validate(c: ExperimentConfig) -> None:
     if c.clients.per_round > c.clients.num:
         raise _fail("clients.per_round", f"{c.clients.per_round} exceeds clients.num = {c.clients.num}")
     _one_of("data.dataset", c.data.dataset, DATASETS)
-    _one_of("partition.kind", c.partition.kind, {"iid", "dirichlet"})
-    if c.partition.kind == "dirichlet":
-        _positive("partition.alpha", c.partition.alpha)
-    _positive("partition.min_size", c.partition.min_size, allow_zero=True)
     _validate_device(c.system.device)
+    c.partition.params = partition_params(c.partition.kind, c.partition.params)
     check_dataset_options(c.data.dataset, c.data.options)
     # Resolved = every parameter written out, so the results file says what actually ran.
     c.model.options = models.check_options(c.model.name, c.model.options)

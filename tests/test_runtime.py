@@ -12,8 +12,8 @@ from fedmpi.runtime import run_experiment
 from helpers import TINY, merged
 
 
-def run_tiny(tmp_path, name="run", **over):
-    values = merged(TINY, **over)
+def run_tiny(tmp_path, name="run", base=TINY, **over):
+    values = merged(base, **over)
     values["output"] = str(tmp_path / f"{name}.h5")
     c = cfg.from_dict(values)
     exp = run_experiment(c, LocalComm(), quiet=True)
@@ -47,7 +47,7 @@ def test_fedavg_file_has_every_part_and_exact_fl_traffic(tmp_path):
 
 
 def test_fedavg_moves_the_model_and_learns(tmp_path):
-    c, exp, run = run_tiny(tmp_path, rounds=8, partition={"kind": "iid"},
+    c, exp, run = run_tiny(tmp_path, base=dict(TINY, partition={"kind": "iid"}), rounds=8,
                            clients={"num": 4, "per_round": 4}, train={"lr": 0.1},
                            model={"hidden": 64, "channels": [8, 16]})
     with run:

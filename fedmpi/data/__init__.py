@@ -6,12 +6,13 @@
 """
 
 from fedmpi.data.augment import augment, to_float
-from fedmpi.data.partition import Partition, class_counts, dirichlet, iid, make_partition
+from fedmpi.data.partition import (Partition, class_counts, dirichlet, iid, make_partition,
+                                   partition_params)
 from fedmpi.data.sources import (DATASETS, Dataset, available_datasets, check_dataset_options,
                                  load_dataset)
 
 __all__ = [
     "DATASETS", "Dataset", "Partition", "augment", "available_datasets", "check_dataset_options",
     "class_counts",
-    "dirichlet", "iid", "load_dataset", "make_partition", "to_float",
+    "dirichlet", "iid", "load_dataset", "make_partition", "partition_params", "to_float",
 ]

@@ -80,10 +80,7 @@ def dirichlet(labels: np.ndarray, num_clients: int, alpha: float, seed: int,
     """
     _check_clients(num_clients)
     labels = np.asarray(labels)
-    if not isinstance(alpha, (int, float, np.floating)) or not 0 < alpha < np.inf:
-        raise UsageError(f"partition.alpha={alpha!r}: must be a number > 0")
-    if not isinstance(min_size, (int, np.integer)) or min_size < 0:
-        raise UsageError(f"partition.min_size={min_size!r}: must be an integer >= 0")
+    _check_dirichlet(alpha, min_size)
     if num_clients * min_size > len(labels):
         raise UsageError(f"partition.min_size={min_size} x clients={num_clients} exceeds the "
                          f"{len(labels)} training samples; lower one of them")
@@ -159,19 +156,43 @@ def class_counts(partition: Partition, labels: np.ndarray, num_classes: int) -> 
     return counts.reshape(partition.num_clients, num_classes).astype(np.int64)
 
 
-_KINDS = {"iid": (), "dirichlet": ("alpha", "min_size")}
+def _check_dirichlet(alpha, min_size) -> None:
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float, np.floating)) \
+            or not 0 < alpha < np.inf:
+        raise UsageError(f"partition.alpha={alpha!r}: must be a number > 0")
+    if isinstance(min_size, bool) or not isinstance(min_size, (int, np.integer)) or min_size < 0:
+        raise UsageError(f"partition.min_size={min_size!r}: must be an integer >= 0")
+
+
+_REQUIRED = object()
+# kind -> (parameters with defaults, value check); the config's [partition] section is
+# `kind` plus these parameters, so a new kind is one entry here and one function.
+_KINDS = {
+    "iid": ({}, lambda: None),
+    "dirichlet": ({"alpha": _REQUIRED, "min_size": 1}, _check_dirichlet),
+}
+
+
+def partition_params(kind: str, params: dict) -> dict:
+    """Config-time check of partition.kind and its parameters; returns them with defaults."""
+    if kind not in _KINDS:
+        raise UsageError(f"partition.kind={kind!r} is unknown; allowed: {', '.join(_KINDS)}")
+    defaults, check = _KINDS[kind]
+    unknown = sorted(set(params) - set(defaults))
+    if unknown:
+        raise UsageError(f"partition.{unknown[0]} is not used by partition.kind={kind!r}; "
+                         f"allowed: {', '.join(defaults) or 'none'}")
+    missing = [k for k, v in defaults.items() if v is _REQUIRED and k not in params]
+    if missing:
+        raise UsageError(f"partition.{missing[0]} is required for partition.kind={kind!r} (e.g. 0.3)")
+    resolved = {**{k: v for k, v in defaults.items() if v is not _REQUIRED}, **params}
+    check(**resolved)
+    return resolved
 
 
 def make_partition(kind: str, labels, num_clients, seed, **params) -> Partition:
     """Partition by name with its parameters, as named in the config (partition.<param>)."""
-    if kind not in _KINDS:
-        raise UsageError(f"partition.kind={kind!r} is unknown; allowed: {', '.join(_KINDS)}")
-    unknown = sorted(set(params) - set(_KINDS[kind]))
-    if unknown:
-        raise UsageError(f"partition.{unknown[0]} is not used by partition.kind={kind!r}; "
-                         f"allowed: {', '.join(_KINDS[kind]) or 'none'}")
+    params = partition_params(kind, params)
     if kind == "iid":
         return iid(len(labels), num_clients, seed)
-    if "alpha" not in params:
-        raise UsageError("partition.alpha is required for partition.kind='dirichlet' (e.g. 0.3)")
     return dirichlet(labels, num_clients, seed=seed, **params)

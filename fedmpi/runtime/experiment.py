@@ -94,9 +94,8 @@ class Experiment:
         part = None
         if self.comm.is_server:
             p = self.config.partition
-            params = {"alpha": p.alpha, "min_size": p.min_size} if p.kind == "dirichlet" else {}
             part = make_partition(p.kind, dataset.train_y.numpy(), self.config.clients.num,
-                                  self.config.seed, **params)
+                                  self.config.seed, **p.params)
             part = (part.offsets, part.indices)
         self.offsets, self.indices = self.comm.bcast_obj(part)
         self.sizes = np.diff(self.offsets)
