@@ -19,7 +19,8 @@ PY = [sys.executable, "-m", "fedmpi", "run", "-q"]
 def deterministic(tmp_path_factory):
     """The single-process reference of the deterministic config (run once)."""
     tmp = tmp_path_factory.mktemp("det")
-    config = write_config(tmp / "det.toml", system={"deterministic": True})
+    config = write_config(tmp / "det.toml", system={"deterministic": True},
+                          data={"augment": True, "crop_padding": 2})
     fedmpi(["run", "-q", str(config), "-o", str(tmp / "single.h5")], check=True)
     return config, tmp / "single.h5"
 

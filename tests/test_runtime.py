@@ -101,3 +101,18 @@ def test_existing_file_is_refused_without_force(tmp_path):
     with pytest.raises(UsageError, match="--force"):
         run_experiment(c, LocalComm(), quiet=True)
     assert c.output_path().read_bytes() == before
+
+
+def test_resnet18_gn_on_the_cifar_pickle_fixture_with_augmentation(tmp_path):
+    from conftest import ROOT
+
+    base = dict(TINY, data={"dataset": "cifar10", "data_dir": str(ROOT / "tests/data"),
+                            "augment": True},
+                partition={"kind": "iid"}, model={"name": "resnet18", "stem": "cifar"})
+    c, exp, run = run_tiny(tmp_path, base=base, rounds=1, clients={"num": 4, "per_round": 2},
+                           train={"batch_size": 8})
+    with run:
+        assert run.status == "completed" and exp.d == 11_173_962
+        assert run.partition()["client_sizes"].sum() == 40
+        assert run.rounds()["fl_bytes_up"][0] == 2 * exp.d * 4
+        assert run.state_dict()["stem.0.weight"].shape == (64, 3, 3, 3)
