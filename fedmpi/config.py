@@ -38,6 +38,10 @@ class DataConfig:
     augment: bool = False              # random crop with padding + horizontal flip, on the device
     crop_padding: int = 4
     flip: bool = True
+    public_size: int = 0               # a server-side labelled set (FNR-FL); 0 = none
+    public_from: str = "train"         # train: held out before partitioning, disjoint from test;
+                                       # test: the first public_size test samples (FNR-FL's paper
+                                       # setting; LEAKY: the model then trains on what it is tested on)
     options: dict = field(default_factory=dict)   # dataset-specific (synthetic sizes)
 
 
@@ -88,6 +92,8 @@ class SystemConfig:
     device: str = "auto"               # auto | cpu | cuda | cuda:N
     deterministic: bool = False        # bitwise-identical results for any number of ranks
     threads: int = 0                   # torch threads per rank; 0 = cores / ranks on this node
+    state_memory_mb: int = 4096        # client state kept in memory; past it, spilled to disk
+    state_dir: str | None = None       # where spilled client state goes (default: a temp dir)
 
 
 @dataclass
@@ -218,12 +224,15 @@ def validate(c: ExperimentConfig) -> None:
         _positive(name, value)
     for name, value in (("seed", c.seed), ("train.weight_decay", c.train.weight_decay),
                         ("train.clip_norm", c.train.clip_norm), ("system.threads", c.system.threads),
-                        ("data.crop_padding", c.data.crop_padding)):
+                        ("data.crop_padding", c.data.crop_padding),
+                        ("data.public_size", c.data.public_size),
+                        ("system.state_memory_mb", c.system.state_memory_mb)):
         _positive(name, value, allow_zero=True)
     if c.clients.per_round > c.clients.num:
         raise _fail("clients.per_round", f"{c.clients.per_round} exceeds clients.num = {c.clients.num}")
     _one_of("data.dataset", c.data.dataset, DATASETS)
     _validate_device(c.system.device)
+    _one_of("data.public_from", c.data.public_from, {"train", "test"})
     c.partition.params = partition_params(c.partition.kind, c.partition.params)
     check_dataset_options(c.data.dataset, c.data.options)
     # Resolved = every parameter written out, so the results file says what actually ran.

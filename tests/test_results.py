@@ -184,6 +184,7 @@ def test_live_reader_in_another_process_follows_the_writer(tmp_path):
     path = tmp_path / "run.h5"
     writer = make_writer(path)
     writer.append_round({"round": 1})
+    writer.flush()
     reader = _python(READER, str(path), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
 
     def rounds_seen():
@@ -195,10 +196,12 @@ def test_live_reader_in_another_process_follows_the_writer(tmp_path):
         assert rounds_seen() == 1
         writer.append_round({"round": 2})
         writer.append_round({"round": 3})
+        writer.flush()
         assert rounds_seen() == 3
         writer.write_model(np.zeros(N_PARAMS))
         writer.set_status("completed")
         writer.append_round({"round": 4})
+        writer.flush()
         assert rounds_seen() == 4
     finally:
         writer.close()
@@ -225,6 +228,8 @@ CRASH = textwrap.dedent("""
                                   client_fields=["round"], layout=[], partition={})
     for r in (1, 2, 3):
         writer.append_round({"round": r, "test_acc": r / 10})
+        writer.flush()
+    writer.append_round({"round": 4, "test_acc": 0.4})  # appended, never flushed
     os._exit(1)
 """)
 

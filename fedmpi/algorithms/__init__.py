@@ -9,7 +9,19 @@ import dataclasses
 
 from ..errors import UsageError
 from .base import REGISTRY, Algorithm, ClientTask, RoundContext, Upload, params_table, register
-from . import fedavg, fedprox  # noqa: F401  (fill the registry)
+
+
+def _import_all() -> None:
+    """Import every module of this package so each ``@register`` runs: adding an
+    algorithm is adding a file."""
+    import importlib
+    import pkgutil
+
+    for module in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{module.name}")
+
+
+_import_all()
 
 
 def _lookup(name: str) -> type[Algorithm]:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterator
+from typing import Any, Callable, ClassVar, Iterator
 
 import numpy as np
 import torch
@@ -73,12 +73,19 @@ class ClientData:
 
 @dataclass
 class ClientTask:
-    """One client's turn on a worker: its id, its data, and the worker's flat model."""
+    """One client's turn on a worker: its id, its data, and the worker's flat model.
+
+    ``loss_fn(module, x, y)`` is the task's training loss (cross-entropy when None);
+    tests give quadratic clients a closed-form loss through it. ``public`` is the
+    server-side labelled set (config ``data.public_size``; FNR-FL), None without one.
+    """
 
     client: int
     data: ClientData
     model: Any                # fedmpi.flat.FlatModel
     device: torch.device
+    loss_fn: Callable | None = None
+    public: ClientData | None = None
 
 
 @dataclass
@@ -105,6 +112,7 @@ class Algorithm:
     paper: ClassVar[str] = ""
     Params: ClassVar[type] = Params
     phases: ClassVar[tuple[str, ...]] = ("train",)
+    diagnostic_fields: ClassVar[tuple[str, ...]] = ()   # names ``diagnostics`` returns
 
     def __init__(self, params: Params | None = None):
         self.params = params if params is not None else self.Params()
@@ -142,7 +150,9 @@ class Algorithm:
         return state["x"]
 
     def diagnostics(self, state, sums, gathered, ctx) -> dict[str, float]:
-        """Extra per-round numbers for the results file (name -> value)."""
+        """The algorithm's own per-round signals (FedExP's step, FedMRUR's distance, ...),
+        called after ``server_update`` of each phase; keys from ``diagnostic_fields``.
+        They land in /rounds of the results file."""
         return {}
 
     # ---- client side ----

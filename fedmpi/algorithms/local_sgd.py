@@ -40,6 +40,10 @@ def sgd_step(params: torch.Tensor, grads: torch.Tensor, lr: float, weight_decay:
     params.add_(grads, alpha=-lr * scale)
 
 
+def cross_entropy(module, x, y) -> torch.Tensor:
+    return F.cross_entropy(module(x), y)
+
+
 def train(task: ClientTask, ctx: RoundContext, correction: Correction | None = None,
           loss_fn: Callable | None = None) -> tuple[float, int]:
     """Run E local epochs from the model's current parameters.
@@ -48,7 +52,7 @@ def train(task: ClientTask, ctx: RoundContext, correction: Correction | None = N
     the device and read once, so a GPU never synchronises inside the loop.
     """
     flat, module = task.model, task.model.module
-    loss_fn = loss_fn or (lambda m, x, y: F.cross_entropy(m(x), y))
+    loss_fn = loss_fn or task.loss_fn or cross_entropy
     module.train()
     total = torch.zeros((), device=flat.params.device)
     steps = 0

@@ -68,11 +68,18 @@ class ResultsWriter:
         return cls(h5file, path, n_params)
 
     def append_round(self, row: dict[str, float]) -> None:
-        """One row per round; fields left out read back as NaN (or -1 for int fields)."""
+        """One row per round; fields left out read back as NaN (or -1 for int fields).
+
+        Appends are buffered by HDF5 until ``flush``: the runtime appends a round's rows
+        (round, clients, ranks) and flushes once, so a crash loses at most that round."""
         self._append(self._rounds, "round_fields", {k: [v] for k, v in row.items()}, 1)
 
+    def flush(self) -> None:
+        """Make every appended row durable and visible to SWMR readers."""
+        self._file.flush()
+
     def append_clients(self, rows: dict[str, np.ndarray]) -> None:
-        """Many participations at once (one per element), so a round costs one flush."""
+        """Many participations at once (one per element)."""
         self._append_rows(self._clients, "client_fields", rows)
 
     def append_ranks(self, rows: dict[str, np.ndarray]) -> None:
@@ -166,7 +173,6 @@ class ResultsWriter:
             start = ds.shape[0]
             ds.resize((start + n,))
             ds[start:] = data[name]
-        self._file.flush()
 
 
 def _reopen(path: Path) -> h5py.File:

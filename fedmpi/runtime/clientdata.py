@@ -37,26 +37,32 @@ class DeviceData:
         return to_float(x_uint8, self.mean, self.std, channels_last=self.channels_last)
 
     def client(self, indices: np.ndarray, seed: int, round_: int, client: int,
-               phase: int) -> "TensorClientData":
-        return TensorClientData(self, indices, seed, (round_, client, phase))
+               phase: int, split: str = "train", stream: str = "") -> "TensorClientData":
+        """A client's view of ``indices`` into ``split`` (train, or test for FNR-FL's leaky
+        public set); ``stream`` names a separate random stream (the public set's)."""
+        return TensorClientData(self, indices, seed, (round_, client, phase), split, stream)
 
 
 class TensorClientData(ClientData):
     """Batches of one client: order and augmentation keyed by (seed, round, client, phase)."""
 
-    def __init__(self, data: DeviceData, indices: np.ndarray, seed: int, key: tuple[int, ...]):
+    def __init__(self, data: DeviceData, indices: np.ndarray, seed: int, key: tuple[int, ...],
+                 split: str = "train", stream: str = ""):
         self.data = data
+        self.x = data.train_x if split == "train" else data.test_x
+        self.y = data.train_y if split == "train" else data.test_y
+        self.purpose = f"-{stream}" if stream else ""
         self.indices = torch.as_tensor(indices, dtype=torch.int64)
         self.num_samples = len(indices)
         self.seed, self.key = seed, key
 
     def batches(self, epochs: int, batch_size: int):
-        order = torch_generator(self.seed, "batch", *self.key)
+        order = torch_generator(self.seed, "batch" + self.purpose, *self.key)
         aug_device = self.data.device if self.data.device.type == "cuda" else "cpu"
-        aug = torch_generator(self.seed, "augment", *self.key, device=aug_device)
+        aug = torch_generator(self.seed, "augment" + self.purpose, *self.key, device=aug_device)
         for _ in range(epochs):
             idx = self.indices[torch.randperm(self.num_samples, generator=order)]
             idx = idx.to(self.data.device, non_blocking=True)
             for start in range(0, self.num_samples, batch_size):
                 batch = idx[start:start + batch_size]
-                yield self.data.prepare(self.data.train_x[batch], aug), self.data.train_y[batch]
+                yield self.data.prepare(self.x[batch], aug), self.y[batch]

@@ -38,7 +38,7 @@ from ..models import build_model
 from ..results import ResultsWriter
 from .clientdata import DeviceData
 from .plan import place, sample_clients
-from .rng import key_seed
+from .rng import key_seed, numpy_rng
 from .state import ClientStateStore
 from .system import choose_device, choose_threads, tune_malloc
 
@@ -90,15 +90,34 @@ class Experiment:
             self._create_file(dataset, ranks)
 
     def _partition(self, dataset) -> None:
-        """Computed once on the server from the seed, broadcast as (offsets, indices)."""
+        """Computed once on the server from the seed, broadcast as (offsets, indices, public)."""
         part = None
         if self.comm.is_server:
+            labels = dataset.train_y.numpy()
+            public = self._public_indices(dataset)
+            pool = np.arange(len(labels))
+            if self.config.data.public_from == "train" and len(public):
+                pool = np.setdiff1d(pool, public)  # the public set is nobody's training data
             p = self.config.partition
-            part = make_partition(p.kind, dataset.train_y.numpy(), self.config.clients.num,
-                                  self.config.seed, **p.params)
-            part = (part.offsets, part.indices)
-        self.offsets, self.indices = self.comm.bcast_obj(part)
+            split = make_partition(p.kind, labels[pool], self.config.clients.num,
+                                   self.config.seed, **p.params)
+            part = (split.offsets, pool[split.indices], public)
+        self.offsets, self.indices, self.public = self.comm.bcast_obj(part)
         self.sizes = np.diff(self.offsets)
+        # Placement balances local steps, which is what training time is proportional to.
+        self.steps = -(-self.sizes // self.config.train.batch_size)
+
+    def _public_indices(self, dataset) -> np.ndarray:
+        """FNR-FL's server-side labelled set: random training samples, or the first test ones."""
+        size, source = self.config.data.public_size, self.config.data.public_from
+        available = len(dataset.train_y) if source == "train" else len(dataset.test_y)
+        if size >= available:
+            raise UsageError(f"config field data.public_size: {size} must be below the "
+                             f"{available} {source} samples")
+        if source == "test":
+            return np.arange(size, dtype=np.int64)
+        rng = numpy_rng(self.config.seed, "public")
+        return np.sort(rng.choice(available, size=size, replace=False)).astype(np.int64)
 
     def _model(self, dataset) -> None:
         cfg = self.config
@@ -124,7 +143,7 @@ class Experiment:
             "algorithm_paper": self.alg.paper, "command": " ".join(sys.argv),
         }
         partition = {"client_offsets": self.offsets, "client_indices": self.indices,
-                     "client_sizes": self.sizes,
+                     "client_sizes": self.sizes, "public_indices": self.public,
                      "class_counts": class_counts(_Partition(self.offsets, self.indices),
                                                   dataset.train_y.numpy(), dataset.num_classes)}
         self.writer = ResultsWriter.create(
@@ -134,7 +153,7 @@ class Experiment:
             layout=self.flat.layout_rows(), partition=partition, force=self.force)
 
     def _diagnostic_fields(self) -> list[str]:
-        return list(getattr(self.alg, "diagnostic_fields", ()))
+        return list(self.alg.diagnostic_fields)
 
     # ---- the loop -----------------------------------------------------------------------
     def run(self) -> Path | None:
@@ -183,6 +202,7 @@ class Experiment:
         sampled = sample_clients(cfg.seed, t, cfg.clients.num, cfg.clients.per_round) \
             if comm.is_server else None
         rows, fl = [], [0, 0]
+        self.diagnostics = {}
         for p, phase in enumerate(self.alg.phases):
             rows.append(self._phase(t, p, phase, sampled, timers, fl))
         evaluated = (t + 1) % cfg.eval.every == 0 or t == cfg.rounds - 1
@@ -209,6 +229,7 @@ class Experiment:
         t0 = time.perf_counter()
         self.alg.server_update(self.state, sums, gathered, ctx)
         timers["aggregate"] += time.perf_counter() - t0
+        self.diagnostics.update(self.alg.diagnostics(self.state, sums, gathered, ctx))
         down, up = (n * WIRE_BYTES for n in self.alg.traffic(self.d, phase))
         fl[0] += down * len(participants)
         fl[1] += up * len(participants)
@@ -223,7 +244,7 @@ class Experiment:
             participants = np.asarray(self.alg.phase_participants(self.state, phase, sampled))
             payload = self.alg.payload(self.state, self._context(t, phase, participants))
             spec = [(k, v.numel()) for k, v in payload.items()]
-            head = (self.stop, participants, place(participants, self.sizes, comm.num_workers), spec)
+            head = (self.stop, participants, place(participants, self.steps, comm.num_workers), spec)
             buf = torch.cat([v.reshape(-1).to(torch.float32) for v in payload.values()])
         stop, participants, assignment, spec = comm.bcast_obj(head)
         if stop:
@@ -252,7 +273,8 @@ class Experiment:
             t0 = time.perf_counter()
             data = self.data.client(self.indices[self.offsets[c]:self.offsets[c + 1]],
                                     self.config.seed, ctx.round, c, p)
-            task = algorithms.ClientTask(client=c, data=data, model=self.flat, device=self.device)
+            task = algorithms.ClientTask(client=c, data=data, model=self.flat, device=self.device,
+                                         public=self._public_data(ctx.round, c, p))
             torch.manual_seed(key_seed(self.config.seed, "client", ctx.round, c, p))  # dropout
             upload = self.alg.local_update(task, payload, states.get(c), ctx)
             folded.add(self.alg.contribution(upload))
@@ -260,6 +282,12 @@ class Experiment:
                 new_states[c] = {k: v.detach().cpu().numpy() for k, v in upload.state.items()}
             rows.append(self._client_row(c, upload, time.perf_counter() - t0))
         return folded, np.asarray(rows, dtype=np.float64).reshape(-1, self._row_width()), new_states
+
+    def _public_data(self, t, c, p):
+        if not len(self.public):
+            return None
+        return self.data.client(self.public, self.config.seed, t, c, p,
+                                split=self.config.data.public_from, stream="public")
 
     def _client_row(self, c, upload, seconds) -> np.ndarray:
         """The _ROW values, then the algorithm's gathered fields (NaN where a phase has none)."""
@@ -363,6 +391,7 @@ class Experiment:
             "fl_bytes_down": fl[0], "fl_bytes_up": fl[1], "mpi_bytes": float(stats[:, 0].sum()),
             "n_participants": len(first["client"]),
             "update_norm": float(torch.linalg.vector_norm(self.state["x"] - x_before)),
+            **self.diagnostics,
         }
 
     def _write(self, t, row, rows, stats) -> None:
@@ -373,6 +402,7 @@ class Experiment:
         for gathered in rows:
             self.writer.append_clients({"round": np.full(len(gathered["client"]), t + 1),
                                         **self._client_columns(gathered)})
+        self.writer.flush()  # one flush per round: every completed round is on disk
         if not (math.isfinite(row["train_loss"]) and bool(torch.isfinite(self.state["x"]).all())):
             # Workers learn it from the next round's plan; the file keeps every round.
             self.writer.set_status("failed", error=f"diverged at round {t}", failed_round=t)
