@@ -85,6 +85,8 @@ class TrainConfig:
 class EvalConfig:
     every: int = 1                     # evaluate every k rounds (and always the last round)
     batch_size: int = 250              # also the chunk a worker scores; 250 keeps activations in cache
+    update_stats: bool = False         # mean pairwise cosine of client updates and local
+                                       # consistency per round (two extra d-vectors summed)
 
 
 @dataclass

@@ -116,3 +116,17 @@ def test_resnet18_gn_on_the_cifar_pickle_fixture_with_augmentation(tmp_path):
         assert run.partition()["client_sizes"].sum() == 40
         assert run.rounds()["fl_bytes_up"][0] == 2 * exp.d * 4
         assert run.state_dict()["stem.0.weight"].shape == (64, 3, 3, 3)
+
+
+def test_update_statistics_land_in_the_file(tmp_path):
+    _, _, plain = run_tiny(tmp_path, "plain", system={"deterministic": True})
+    c, exp, run = run_tiny(tmp_path, "stats", eval={"update_stats": True},
+                           system={"deterministic": True})
+    with run, plain:
+        rounds = run.rounds()
+        assert np.all((rounds["client_update_cosine_mean"] >= -1) & (rounds["client_update_cosine_mean"] <= 1))
+        assert np.all(rounds["local_consistency"] >= 0)
+        norms = run.clients()["update_norm"].reshape(c.rounds, -1)
+        np.testing.assert_allclose(rounds["client_update_norm_mean"], norms.mean(axis=1))
+        assert np.isnan(plain.rounds()["client_update_cosine_mean"]).all()
+        assert np.array_equal(run.model(), plain.model())  # statistics never change training

@@ -40,12 +40,14 @@ from .clientdata import DeviceData
 from .plan import place, sample_clients
 from .rng import key_seed, numpy_rng
 from .state import ClientStateStore
+from .stats import STAT_SIZES_KEYS, stat_contribution, update_statistics
 from .system import choose_device, choose_threads, tune_malloc
 
 ROUND_FIELDS = ["round", "time_wall", "time_compute", "time_compute_min", "time_comm",
                 "time_idle", "time_aggregate", "time_eval", "lr", "train_loss", "test_loss",
                 "test_acc", "fl_bytes_down", "fl_bytes_up", "mpi_bytes", "n_participants",
-                "update_norm"]
+                "update_norm", "client_update_norm_mean", "client_update_cosine_mean",
+                "local_consistency"]
 CLIENT_FIELDS = ["round", "phase", "client", "rank", "n_samples", "steps", "train_loss",
                  "update_norm", "seconds", "bytes_down", "bytes_up"]
 RANK_FIELDS = ["round", "rank", "bytes_sent", "bytes_received", "seconds_compute",
@@ -221,11 +223,14 @@ class Experiment:
         t0 = time.perf_counter()
         folded, rows, new_states = self._train(assignment, payload, states, ctx, p)
         timers["compute"] += time.perf_counter() - t0
-        sums = self._collect_sums(folded, assignment)
+        sums = self._collect_sums(folded, assignment, p)
         gathered = self._collect_rows(rows)
         self._gather_states(new_states)
         if not self.comm.is_server:
             return None
+        if p == 0:
+            stats = [sums.pop(key) for key in STAT_SIZES_KEYS if key in sums]
+            self.diagnostics.update(update_statistics(gathered["update_norm"], *stats))
         t0 = time.perf_counter()
         self.alg.server_update(self.state, sums, gathered, ctx)
         timers["aggregate"] += time.perf_counter() - t0
@@ -263,9 +268,17 @@ class Experiment:
             batch_size=tr.batch_size, num_clients=self.config.clients.num,
             participants=tuple(int(c) for c in participants), seed=self.config.seed)
 
+    def _sizes(self, p: int) -> dict[str, int]:
+        """What is summed in phase p: the algorithm's contributions, plus the update
+        statistics' two vectors in the first phase when ``eval.update_stats`` is on."""
+        sizes = dict(self.alg.contribution_sizes(self.d))
+        if p == 0 and self.config.eval.update_stats:
+            sizes.update({key: self.d for key in STAT_SIZES_KEYS})
+        return sizes
+
     def _train(self, assignment, payload, states, ctx, p):
         """Train this worker's clients, folding each contribution in as it comes."""
-        sizes = self.alg.contribution_sizes(self.d)
+        sizes = self._sizes(p)
         folded = Contributions(sizes, self.device, keep_each=self.config.system.deterministic)
         rows, new_states = [], {}
         mine = assignment[self.comm.worker_index] if self.comm.is_worker else []
@@ -277,7 +290,10 @@ class Experiment:
                                          public=self._public_data(ctx.round, c, p))
             torch.manual_seed(key_seed(self.config.seed, "client", ctx.round, c, p))  # dropout
             upload = self.alg.local_update(task, payload, states.get(c), ctx)
-            folded.add(self.alg.contribution(upload))
+            contribution = self.alg.contribution(upload)
+            if STAT_SIZES_KEYS[0] in sizes:
+                contribution = {**contribution, **stat_contribution(upload.delta)}
+            folded.add(contribution)
             if upload.state is not None:
                 new_states[c] = {k: v.detach().cpu().numpy() for k, v in upload.state.items()}
             rows.append(self._client_row(c, upload, time.perf_counter() - t0))
@@ -301,9 +317,9 @@ class Experiment:
     def _row_width(self) -> int:
         return len(_ROW) + sum(self.alg.gather_sizes(self.d).values())
 
-    def _collect_sums(self, folded: "Contributions", assignment) -> dict | None:
+    def _collect_sums(self, folded: "Contributions", assignment, p: int) -> dict | None:
         """Sum of contributions on the server: one Reduce, or in client order if deterministic."""
-        comm, sizes = self.comm, self.alg.contribution_sizes(self.d)
+        comm, sizes = self.comm, self._sizes(p)
         if folded.keep_each:
             parts = comm.gatherv(folded.host().reshape(-1).numpy())
             if not comm.is_server:
