@@ -100,3 +100,20 @@ def test_fashion_mnist_under_mpirun(tmp_path):
         assert run.status == "completed" and run.attrs["world_size"] == 3
         assert run.partition()["client_sizes"].sum() == 60000
         assert run.rounds()["test_acc"][-1] > 0.5
+
+
+@needs_mpi
+def test_jobs_mpirun_launcher(tmp_path):
+    import os
+    import subprocess
+
+    from conftest import ROOT
+
+    config = write_config(tmp_path / "c.toml", rounds=1)
+    env = dict(os.environ, PATH=f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}")
+    proc = subprocess.run(["bash", str(ROOT / "jobs/mpirun.sh"), str(config), "2", "-q",
+                           "-o", str(tmp_path / "j.h5")], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr
+    with RunFile(tmp_path / "j.h5") as run:
+        assert run.attrs["world_size"] == 3 and run.status == "completed"
