@@ -239,7 +239,8 @@ def validate(c: ExperimentConfig) -> None:
     check_dataset_options(c.data.dataset, c.data.options)
     # Resolved = every parameter written out, so the results file says what actually ran.
     c.model.options = models.check_options(c.model.name, c.model.options)
-    c.algorithm.params = algorithms.resolved_params(c.algorithm.name, c.algorithm.params)
+    c.algorithm.params = algorithms.resolved_params(c.algorithm.name, c.algorithm.params,
+                                                    c.model.options)
     try:
         c.output_path()
     except (KeyError, IndexError, ValueError) as exc:

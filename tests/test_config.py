@@ -48,6 +48,7 @@ BAD = [
     (["algorithm.name=fedprox", "algorithm.mu=big"], "algorithm.mu"),
     (["algorithm.name=fedprox", "algorithm.mu=-1"], "algorithm.mu"),
     (["model.name=transformer"], "model.name"),
+    (["algorithm.name=moon"], "model.proj_dim"),       # MOON needs a projection head
     (["model.hidden=-3"], "model.hidden"),
     (["system.device=tpu"], "system.device"),
     (["system.deterministic=1"], "system.deterministic"),

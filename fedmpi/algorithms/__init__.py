@@ -31,9 +31,13 @@ def _lookup(name: str) -> type[Algorithm]:
     return REGISTRY[name]
 
 
-def resolved_params(name: str, params: dict) -> dict:
-    """Every parameter of ``name`` with its value: the given ones checked, the rest defaults."""
-    return dataclasses.asdict(build(name, params).params)
+def resolved_params(name: str, params: dict, model_options: dict | None = None) -> dict:
+    """Every parameter of ``name`` with its value: the given ones checked, the rest defaults;
+    with ``model_options``, also what the method needs from the model."""
+    algorithm = build(name, params)
+    if model_options is not None:
+        algorithm.check_model(model_options)
+    return dataclasses.asdict(algorithm.params)
 
 
 def message_sizes(cls: type[Algorithm]) -> str:

@@ -131,6 +131,10 @@ class Algorithm:
     def contribution_sizes(self, d: int) -> dict[str, int]:
         return {"delta": d, "weight": 1}
 
+    def check_model(self, model_options: dict) -> None:
+        """Config-time check that the model has what this method needs (MOON: a
+        projection head); raise UsageError naming the model.<option>."""
+
     # ---- server side ----
     def init_server_state(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"x": x.clone()}

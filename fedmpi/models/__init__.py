@@ -2,9 +2,11 @@
 
 Every model exposes `features(x) -> [B, F]` (the penultimate representation, which MOON,
 FedMRUR and FNR-FL use), `classifier` (the final nn.Linear) and
-`forward(x) == classifier(features(x))`. Models use GroupNorm or no normalisation, so they
-have parameters only and no buffers to aggregate. Initialisation draws from torch's global
-generator: seed it (`torch.manual_seed`) before building.
+`forward(x) == classifier(features(x))`. With the option `proj_dim` > 0 (every model
+accepts it) a model also has MOON's projection head `projector` and `project(features)`.
+Models use GroupNorm or no normalisation, so they have parameters only and no buffers to
+aggregate. Initialisation draws from torch's global generator: seed it
+(`torch.manual_seed`) before building.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from fedmpi.models.cnn import CNN
 from fedmpi.models.resnet import STEMS, WIDTHS, ResNet18
 from fedmpi.models.vgg import NORMS, VGG11
 
-__all__ = ["MODELS", "ModelSpec", "Option", "build_model", "check_options", "model_options"]
+__all__ = ["COMMON_OPTIONS", "MODELS", "ModelSpec", "Option", "add_projection_head",
+           "build_model", "check_options", "model_options"]
 
 Check = Callable[[str, Any], Any]
 """Validates one option value: (field name, value) -> normalised value, or raises UsageError."""
@@ -32,6 +35,12 @@ def _is_int(value: Any) -> bool:
 def positive_int(field: str, value: Any) -> int:
     if not _is_int(value) or value < 1:
         raise UsageError(f"{field} must be a positive integer, got {value!r}")
+    return value
+
+
+def non_negative_int(field: str, value: Any) -> int:
+    if not _is_int(value) or value < 0:
+        raise UsageError(f"{field} must be an integer >= 0, got {value!r}")
     return value
 
 
@@ -103,6 +112,23 @@ MODELS: dict[str, ModelSpec] = {
 }
 
 
+# Options every model accepts, on top of its own.
+COMMON_OPTIONS: dict[str, Option] = {
+    "proj_dim": Option(0, non_negative_int,
+                       "projection head Linear(F, F) -> ReLU -> Linear(F, proj_dim) on the "
+                       "features (MOON uses 256); 0 = no head"),
+}
+
+
+def add_projection_head(module: nn.Module, proj_dim: int) -> None:
+    """Attach MOON's projection head as ``module.projector`` [code: QinbinLi/MOON model.py
+    ModelFedCon l1, l2]; F = ``classifier.in_features``. It is registered last, so the
+    backbone's parameters keep their order and their initial values, and it is part of
+    the flat model (aggregated like every other parameter)."""
+    f = module.classifier.in_features
+    module.projector = nn.Sequential(nn.Linear(f, f), nn.ReLU(), nn.Linear(f, proj_dim))
+
+
 def _spec(name: str) -> ModelSpec:
     if name not in MODELS:
         raise UsageError(f"model.name must be one of {', '.join(map(repr, MODELS))}, got {name!r}")
@@ -110,18 +136,25 @@ def _spec(name: str) -> ModelSpec:
 
 
 def model_options(name: str) -> dict[str, Any]:
-    """Documented options of model `name` with their defaults."""
+    """Documented options of model `name` with their defaults (the options every model
+    accepts are in COMMON_OPTIONS)."""
     return {key: option.default for key, option in _spec(name).options.items()}
 
 
 def _resolve(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
     spec = _spec(name)
-    unknown = sorted(set(options) - set(spec.options))
+    known = {**spec.options, **COMMON_OPTIONS}
+    unknown = sorted(set(options) - set(known))
     if unknown:
-        allowed = ", ".join(spec.options)
+        allowed = ", ".join(known)
         raise UsageError(f"model.{unknown[0]} is not an option of model {name!r} (allowed: {allowed})")
-    return {key: option.check(f"model.{key}", options.get(key, option.default))
-            for key, option in spec.options.items()}
+    resolved = {key: option.check(f"model.{key}", options.get(key, option.default))
+                for key, option in spec.options.items()}
+    # Common options are written out only when given: a config without them resolves
+    # (and is recorded) exactly as before they existed.
+    resolved.update({key: option.check(f"model.{key}", options[key])
+                     for key, option in COMMON_OPTIONS.items() if key in options})
+    return resolved
 
 
 def check_options(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -137,4 +170,9 @@ def build_model(name: str, in_channels: int, num_classes: int, image_size: int,
     if image_size < spec.min_image_size:
         raise UsageError(f"model.name {name!r} needs images of at least "
                          f"{spec.min_image_size}x{spec.min_image_size}, got {image_size}x{image_size}")
-    return spec.cls(in_channels, num_classes, image_size, **_resolve(name, options))
+    options = _resolve(name, options)
+    proj_dim = options.pop("proj_dim", 0)
+    module = spec.cls(in_channels, num_classes, image_size, **options)
+    if proj_dim:
+        add_projection_head(module, proj_dim)
+    return module

@@ -89,3 +89,7 @@ class ResNet18(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.features(x))
+
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """MOON's projection of `features` (the head exists with model option proj_dim > 0)."""
+        return self.projector(features)

@@ -67,6 +67,7 @@ class Experiment:
         self.alg = algorithms.build(config.algorithm.name, config.algorithm.params)
         self.writer = None
         self.stop = False
+        self.ready = False   # setup done: from here an error may be one rank's alone
 
     # ---- setup ------------------------------------------------------------------------
     def setup(self) -> None:
@@ -88,7 +89,9 @@ class Experiment:
         ranks = comm.gather_obj(self._rank_info(), count=False)
         if comm.is_server:
             self.state = self.alg.init_server_state(self.flat.params.detach().cpu().clone())
-            self.store = ClientStateStore(self.alg.client_state_sizes(self.d))
+            self.store = ClientStateStore(self.alg.client_state_sizes(self.d),
+                                          memory_bytes=cfg.system.state_memory_mb * 2 ** 20,
+                                          directory=cfg.system.state_dir)
             self._create_file(dataset, ranks)
 
     def _partition(self, dataset) -> None:
@@ -162,6 +165,7 @@ class Experiment:
         """Set up and run every round; returns the results path on the server."""
         try:
             self.setup()
+            self.ready = True
             for t in range(self.config.rounds):
                 self._round(t)
         except StopRun:
@@ -182,6 +186,8 @@ class Experiment:
         return self.stop
 
     def _fail(self, exc: BaseException) -> None:
+        if getattr(self, "store", None) is not None:
+            self.store.close()
         if self.writer is not None:
             status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
             self.writer.set_status(status, error=f"{type(exc).__name__}: {exc}")
@@ -189,7 +195,8 @@ class Experiment:
             self.writer = None
         if self.comm.size > 1:
             if isinstance(exc, UsageError):  # e.g. data files missing: one line, exit 2
-                if self.comm.is_server:
+                # in setup every rank meets the same error: the server speaks for all
+                if self.comm.is_server or self.ready:
                     print(f"fedmpi: {exc}", file=sys.stderr, flush=True)
                 self.comm.abort(2)
             traceback.print_exc()

@@ -1,36 +1,164 @@
-"""Per-client persistent state (SCAFFOLD c_i, FedDyn grad_i, MOON's previous model).
+"""Per-client persistent state (SCAFFOLD c_i, FedDyn grad L_i, MOON's previous model).
 
 Kept by client id on the server's host, not by the rank that last trained the client:
 the runtime ships a client's state to whichever worker trains it and takes the new
 value back, so placement never changes results. A client that never took part has
-zeros. (Spilling to disk past a memory budget and checkpointing build on this store.)
+zeros.
+
+Past a memory budget (config ``system.state_memory_mb``) the least recently used
+clients' states are written to one raw file each in a spill directory (config
+``system.state_dir``; a private temporary directory inside it, or under the system's
+temporary directory by default, removed by ``close``) and read back on ``get``. A
+state lives in exactly one place, memory or disk, and comes back bit for bit.
+``items()`` visits every client's state without loading the spilled ones into the
+budget, which is what a checkpoint needs; ``load_state_dict`` restores them.
 """
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+import weakref
+from collections import OrderedDict
+from pathlib import Path
+from typing import Iterable, Iterator, Mapping
+
 import numpy as np
+
+State = dict[str, np.ndarray]
 
 
 class ClientStateStore:
-    def __init__(self, sizes: dict[str, int], dtype=np.float32):
-        self.sizes, self.dtype = dict(sizes), dtype
-        self._states: dict[int, dict[str, np.ndarray]] = {}
+    """Client id -> named flat arrays of the declared ``sizes``, LRU-spilled past
+    ``memory_bytes`` (None: no budget) into ``directory``."""
 
-    def get(self, client: int) -> dict[str, np.ndarray]:
-        state = self._states.get(client)
-        if state is None:
-            return {name: np.zeros(n, dtype=self.dtype) for name, n in self.sizes.items()}
-        return state
+    def __init__(self, sizes: dict[str, int], dtype=np.float32, memory_bytes: int | None = None,
+                 directory: str | Path | None = None):
+        self.sizes, self.dtype = dict(sizes), np.dtype(dtype)
+        self.memory_bytes, self.directory = memory_bytes, directory
+        self._memory: OrderedDict[int, State] = OrderedDict()   # least recently used first
+        self._on_disk: set[int] = set()
+        self._spill_dir: Path | None = None
+        self._cleanup = None
 
-    def put(self, client: int, state: dict[str, np.ndarray]) -> None:
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one client's state."""
+        return sum(self.sizes.values()) * self.dtype.itemsize
+
+    # ---- the runtime's API ---------------------------------------------------------
+    def get(self, client: int) -> State:
+        """The client's state (zeros if it has none); marks it most recently used."""
+        if client in self._memory:
+            self._memory.move_to_end(client)
+            return self._memory[client]
+        if client in self._on_disk:
+            state = self._read(client)
+            self._forget_file(client)
+            self._admit(client, state)
+            return state
+        return {name: np.zeros(n, dtype=self.dtype) for name, n in self.sizes.items()}
+
+    def put(self, client: int, state: Mapping[str, np.ndarray]) -> None:
+        """Store a copy of ``state`` as the client's state (most recently used)."""
         for name, n in self.sizes.items():
-            if state[name].size != n:
-                raise ValueError(f"client {client} state {name}: {state[name].size} values, declared {n}")
-        self._states[client] = {name: np.asarray(state[name], dtype=self.dtype) for name in self.sizes}
+            if np.size(state[name]) != n:
+                raise ValueError(f"client {client} state {name}: {np.size(state[name])} values, "
+                                 f"declared {n}")
+        copied = {name: np.array(state[name], dtype=self.dtype).reshape(-1) for name in self.sizes}
+        self._memory.pop(client, None)
+        if client in self._on_disk:
+            self._forget_file(client)
+        self._admit(client, copied)
 
     def __len__(self) -> int:
-        return len(self._states)
+        return len(self._memory) + len(self._on_disk)
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for s in self._states.values() for a in s.values())
+        """Bytes of state held in memory (at most ``memory_bytes``)."""
+        return len(self._memory) * self.state_bytes
+
+    @property
+    def disk_bytes(self) -> int:
+        return len(self._on_disk) * self.state_bytes
+
+    # ---- checkpoints ---------------------------------------------------------------
+    def clients(self) -> list[int]:
+        """Ids of the clients that have a state, ascending."""
+        return sorted([*self._memory, *self._on_disk])
+
+    def items(self) -> Iterator[tuple[int, State]]:
+        """(client, state) in ascending client id; spilled states are read one at a time
+        and neither change the LRU order nor count against the budget."""
+        for client in self.clients():
+            yield client, self._memory[client] if client in self._memory else self._read(client)
+
+    def state_dict(self) -> dict[int, State]:
+        """Every client's state (all of it in memory: prefer ``items`` for large stores)."""
+        return dict(self.items())
+
+    def load_state_dict(self, states: Mapping[int, Mapping[str, np.ndarray]]
+                        | Iterable[tuple[int, Mapping[str, np.ndarray]]]) -> None:
+        """Replace the contents with ``states`` (a mapping or (client, state) pairs)."""
+        self.clear()
+        pairs = states.items() if isinstance(states, Mapping) else states
+        for client, state in pairs:
+            self.put(int(client), state)
+
+    def clear(self) -> None:
+        self._memory.clear()
+        for client in list(self._on_disk):
+            self._forget_file(client)
+
+    def close(self) -> None:
+        """Drop every state and remove the spill directory."""
+        self._memory.clear()
+        self._on_disk.clear()
+        if self._cleanup is not None:
+            self._cleanup()
+            self._spill_dir = self._cleanup = None
+
+    def __enter__(self) -> "ClientStateStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- spilling ------------------------------------------------------------------
+    def _admit(self, client: int, state: State) -> None:
+        """Hold ``state`` in memory as most recently used, then spill the least recently
+        used states until the budget holds (the newcomer too, if it alone exceeds it)."""
+        self._memory[client] = state
+        while self.memory_bytes is not None and self._memory and self.nbytes > self.memory_bytes:
+            victim, victim_state = self._memory.popitem(last=False)
+            self._write(victim, victim_state)
+
+    def _path(self, client: int) -> Path:
+        if self._spill_dir is None:
+            # Created on first spill: runs that stay within the budget touch no disk.
+            parent = None if self.directory is None else Path(self.directory)
+            if parent is not None:
+                parent.mkdir(parents=True, exist_ok=True)
+            self._spill_dir = Path(tempfile.mkdtemp(prefix="fedmpi-state-", dir=parent))
+            self._cleanup = weakref.finalize(self, shutil.rmtree, str(self._spill_dir),
+                                             ignore_errors=True)
+        return self._spill_dir / f"{client}.bin"
+
+    def _write(self, client: int, state: State) -> None:
+        with open(self._path(client), "wb") as f:
+            for name in self.sizes:
+                state[name].tofile(f)
+        self._on_disk.add(client)
+
+    def _read(self, client: int) -> State:
+        flat = np.fromfile(self._path(client), dtype=self.dtype)
+        out, offset = {}, 0
+        for name, n in self.sizes.items():
+            out[name] = flat[offset:offset + n]
+            offset += n
+        return out
+
+    def _forget_file(self, client: int) -> None:
+        self._on_disk.discard(client)
+        self._path(client).unlink(missing_ok=True)

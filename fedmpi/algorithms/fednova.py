@@ -1,0 +1,115 @@
+"""FedNova: Tackling the Objective Inconsistency Problem in Heterogeneous Federated Optimization.
+
+Wang et al., NeurIPS 2020, https://arxiv.org/abs/2007.07481
+
+Client i runs tau_i local steps from x^t (plain SGD, or heavy-ball momentum rho, or the
+FedProx term mu) and uploads the normalised update d_i = (x^t - w_i) / a_i with
+
+    a_i = tau_i                                          (plain SGD)
+    a_i = [tau_i - rho (1 - rho^tau_i) / (1 - rho)] / (1 - rho)   (momentum rho)
+    a_i = [1 - (1 - eta_l mu)^tau_i] / (eta_l mu)            (proximal mu)
+
+and a_i. Server, p_i = n_i / sum_S n:  tau_eff = sum_S p_i a_i,
+x^{t+1} = x^t - eta_g tau_eff sum_S p_i d_i. Messages d down, d + 1 up (d_i, a_i); no
+state. [code: NIID-Bench train_net_fednova, in LonelyMoonDesert/FNR-FL train.py]
+
+Momentum accumulates the corrected loss gradient before clipping (v <- rho v + g, step
+with v); weight decay stays outside it as in every fedmpi step, and a_i counts neither
+weight decay nor clipping. ALGORITHMS.md gives a_i for momentum or prox, so rho and mu
+are not accepted together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..errors import UsageError
+from . import local_sgd
+from .base import Algorithm, Params, register
+from .fedprox import proximal
+
+
+def heavy_ball(rho: float, like: torch.Tensor):
+    """Local momentum as a gradient correction: v <- rho v + g; g <- v (v starts at 0)."""
+    velocity = torch.zeros_like(like)
+
+    def correct(grads, params):
+        velocity.mul_(rho).add_(grads)
+        grads.copy_(velocity)
+    return correct
+
+
+def normalizer(tau: int, rho: float = 0.0, eta_mu: float = 0.0) -> float:
+    """a_i of ALGORITHMS.md 3 FedNova for tau local steps."""
+    if rho:
+        return (tau - rho * (1 - rho ** tau) / (1 - rho)) / (1 - rho)
+    if eta_mu:
+        return (1 - (1 - eta_mu) ** tau) / eta_mu
+    return float(tau)
+
+
+@register
+class FedNova(Algorithm):
+    name = "fednova"
+    paper = "Wang et al. 2020, arXiv:2007.07481"
+    diagnostic_fields = ("tau_eff",)
+
+    @dataclass(frozen=True)
+    class Params(Params):
+        rho: float = field(default=0.0, metadata={"doc": "local momentum rho (0 = plain SGD)"})
+        mu: float = field(default=0.0, metadata={"doc": "local proximal weight mu (0 = none)"})
+
+        def __post_init__(self):
+            if not 0 <= self.rho < 1:
+                raise UsageError(f"config field algorithm.rho: must be in [0, 1), got {self.rho}")
+            if self.mu < 0:
+                raise UsageError(f"config field algorithm.mu: must be >= 0, got {self.mu}")
+            if self.rho and self.mu:
+                raise UsageError("config field algorithm.mu: must be 0 when algorithm.rho > 0 "
+                                 "(a_i is defined for momentum or prox, not both)")
+
+    def traffic(self, d, phase):
+        return d, d + 1
+
+    def gather_sizes(self, d):
+        return {"a": 1}
+
+    def contribution_sizes(self, d):
+        return {"normalized": d, "weight": 1}
+
+    def server_update(self, state, sums, gathered, ctx):
+        state["x"].sub_(sums["normalized"],
+                        alpha=ctx.global_lr * self._tau_eff(gathered) / float(sums["weight"]))
+
+    def diagnostics(self, state, sums, gathered, ctx):
+        return {"tau_eff": self._tau_eff(gathered)}
+
+    @staticmethod
+    def _tau_eff(gathered) -> float:
+        n = gathered["n_samples"]
+        return float(np.sum(n * gathered["a"]) / np.sum(n))
+
+    def local_update(self, task, payload, client_state, ctx):
+        x, p = payload["x"], self.params
+        correction = None
+        if p.rho:
+            correction = heavy_ball(p.rho, task.model.grads)
+        elif p.mu:
+            correction = proximal(p.mu, x[:task.model.num_params])
+        upload = local_sgd.local_update(task, x, ctx, correction)
+        a = normalizer(upload.steps, p.rho, ctx.lr * p.mu)
+        upload.extras["a"] = torch.tensor([a], dtype=torch.float64)
+        return upload
+
+    def contribution(self, upload):
+        n, a = float(upload.num_samples), float(upload.extras["a"])
+        # n_i d_i = -n_i Delta_i / a_i; a client without a step contributes only its weight
+        scale = -n / a if a > 0 else 0.0
+        return {"normalized": upload.delta * scale,
+                "weight": torch.tensor([n], dtype=upload.delta.dtype, device=upload.delta.device)}
+
+    def gather(self, upload):
+        return {"a": upload.extras["a"]}
