@@ -1,0 +1,78 @@
+"""FedACG: Communication-Efficient Federated Learning with Accelerated Client Gradient.
+
+Kim, Kim and Han, CVPR 2024, https://arxiv.org/abs/2201.03172
+
+The server broadcasts one vector, the lookahead x_hat = x^{t-1} + lambda m^{t-1}.
+Client i starts at w_0 = x_hat, runs K SGD steps on CE(w) + (beta/2)||w - x_hat||^2
+(+ wd) and uploads Delta_i = w_K - x_hat. With the plain mean over S_t (repo convention;
+the paper's splits are balanced, so |D_i| weights are the same):
+
+    Dbar = (1/S) sum_i Delta_i;   m^t = lambda m^{t-1} + Dbar;   x^t = x^{t-1} + eta_g m^t
+
+(m^0 = 0, eta_g = train.global_lr = 1, so x^t is the mean of the client models).
+Evaluation uses x^t, not the lookahead. Messages d down, d up; server state m (d).
+beta: paper (Table 5b default) 0.01 in (beta/2)||.||^2; the repo adds w_prox ||.||^2
+un-halved with w_prox = 1e-3 (prox_form = "repo", beta = 0.001). The repo's LambdaLR
+also decays eta_l once per local epoch within a round; negligible, not reproduced.
+lambda = 0, beta = 0 is FedAvg with a plain mean; beta = 0 is FedAvgM(beta = lambda)
+with the clients started at x_hat instead of x.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import UsageError
+from . import local_sgd, server_opt
+from .base import Algorithm, Params, register
+from .fedprox import proximal
+
+PROX_FORMS = ("paper", "repo")
+
+
+@register
+class FedACG(Algorithm):
+    name = "fedacg"
+    paper = "Kim et al. 2024, arXiv:2201.03172"
+
+    @dataclass(frozen=True)
+    class Params(Params):
+        lam: float = field(default=0.85, metadata={
+            "doc": "lambda: global momentum and lookahead x + lambda m (paper/repo 0.85)"})
+        beta: float = field(default=0.01, metadata={
+            "doc": "prox weight beta toward the lookahead (paper 0.01; repo 0.001 with prox_form='repo')"})
+        prox_form: str = field(default="paper", metadata={
+            "doc": "'paper': (beta/2)||w - x_hat||^2; 'repo': beta ||w - x_hat||^2 (un-halved w_prox)"})
+
+        def __post_init__(self):
+            if not 0 <= self.lam < 1:
+                raise UsageError(f"config field algorithm.lam: must be in [0, 1), got {self.lam}")
+            if self.beta < 0:
+                raise UsageError(f"config field algorithm.beta: must be >= 0, got {self.beta}")
+            if self.prox_form not in PROX_FORMS:
+                raise UsageError(f"config field algorithm.prox_form: {self.prox_form!r} is not "
+                                 f"allowed; choose one of {', '.join(PROX_FORMS)}")
+
+    def init_server_state(self, x):
+        return {"x": x.clone(), "m": torch.zeros_like(x)}
+
+    def payload(self, state, ctx):
+        return {"x_hat": state["x"] + self.params.lam * state["m"]}
+
+    def local_update(self, task, payload, client_state, ctx):
+        x_hat = payload["x_hat"]
+        # The gradient of beta ||.||^2 (repo) is twice that of (beta/2) ||.||^2 (paper).
+        mu = self.params.beta * (2.0 if self.params.prox_form == "repo" else 1.0)
+        correction = proximal(mu, x_hat[:task.model.num_params]) if mu else None
+        return local_sgd.local_update(task, x_hat, ctx, correction)
+
+    def contribution(self, upload):
+        """Unweighted: every participant counts once (repo's plain mean)."""
+        one = torch.ones(1, dtype=upload.delta.dtype, device=upload.delta.device)
+        return {"delta": upload.delta, "weight": one}
+
+    def server_update(self, state, sums, gathered, ctx):
+        m = server_opt.momentum(state["m"], server_opt.mean_update(sums), self.params.lam)
+        state["x"].add_(m, alpha=ctx.global_lr)

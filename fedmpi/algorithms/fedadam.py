@@ -1,0 +1,63 @@
+"""FedAdam: Adaptive Federated Optimization.
+
+Reddi et al., ICLR 2021, https://arxiv.org/abs/2003.00295 (Algorithm 2, FedAdam)
+
+Clients as FedAvg. Server Adam without bias correction on the n_i-weighted mean
+Dbar = sum_i n_i Delta_i / sum_i n_i:
+
+    m <- b1 m + (1 - b1) Dbar;   v <- b2 v + (1 - b2) Dbar^2;
+    x^{t+1} = x^t + eta_g m / (sqrt(v) + tau)            (m^0 = 0, v^0 = v0)
+
+Messages d down, d up; server state m, v (2d). Defaults: b1 0.9, b2 0.99 (ALGORITHMS.md);
+tau 1e-3, v0 = tau^2, eta_g 0.01 as the FedACG repo's ServerAdam (Reddi et al. ask for
+v0 >= tau^2). FL-Simulator uses tau 0.01, v0 0, eta_g 0.1 (FedMIM's FedAdam baseline).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import UsageError
+from . import server_opt
+from .base import Params, register
+from .fedavg import FedAvg
+
+
+@register
+class FedAdam(FedAvg):
+    name = "fedadam"
+    paper = "Reddi et al. 2021, arXiv:2003.00295"
+
+    @dataclass(frozen=True)
+    class Params(Params):
+        b1: float = field(default=0.9, metadata={"doc": "first-moment decay beta_1"})
+        b2: float = field(default=0.99, metadata={"doc": "second-moment decay beta_2"})
+        tau: float = field(default=1e-3, metadata={
+            "doc": "adaptivity tau added to sqrt(v) (FedACG repo 1e-3; FL-Simulator 0.01)"})
+        v0: float = field(default=1e-6, metadata={
+            "doc": "initial second moment v^0 (tau^2 at the default tau, FedACG repo; FL-Simulator 0)"})
+        eta_g: float = field(default=0.01, metadata={
+            "doc": "server step eta_g (FedACG README 0.01; FL-Simulator/FedMIM 0.1); "
+                   "train.global_lr multiplies it, keep that 1"})
+
+        def __post_init__(self):
+            for name in ("b1", "b2"):
+                value = getattr(self, name)
+                if not 0 <= value < 1:
+                    raise UsageError(f"config field algorithm.{name}: must be in [0, 1), got {value}")
+            if self.tau <= 0:
+                raise UsageError(f"config field algorithm.tau: must be > 0, got {self.tau}")
+            if self.v0 < 0:
+                raise UsageError(f"config field algorithm.v0: must be >= 0, got {self.v0}")
+            if self.eta_g <= 0:
+                raise UsageError(f"config field algorithm.eta_g: must be > 0, got {self.eta_g}")
+
+    def init_server_state(self, x):
+        return {"x": x.clone(), "m": torch.zeros_like(x), "v": torch.full_like(x, self.params.v0)}
+
+    def server_update(self, state, sums, gathered, ctx):
+        p = self.params
+        step = server_opt.adam(state["m"], state["v"], server_opt.mean_update(sums), p.b1, p.b2, p.tau)
+        state["x"].add_(step, alpha=p.eta_g * ctx.global_lr)
