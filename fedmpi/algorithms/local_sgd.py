@@ -3,7 +3,9 @@
 One step is: zero the flat gradient, forward, loss, backward (autograd writes into the
 flat gradient buffer), let the algorithm correct the gradient (proximal term, control
 variates, momentum: one vector operation each), clip it to ``clip_norm``, and step
-``w <- w - lr * (g + wd * w)``. Weight decay sits outside the clipping, as in the authors'
+``w <- w - lr * (g + wd * w)``. A method whose gradient needs more than one backward
+per step (SAM: a second pass at a perturbed point) replaces the first part with its own
+``gradient_fn``. Weight decay sits outside the clipping, as in the authors'
 code (FL-Simulator, FedACG). No torch.optim: the step is two vector operations, and the
 first optimizer a process builds costs ~0.75 s of lazy imports (DESIGN.md section 11).
 """
@@ -19,6 +21,9 @@ from .base import ClientTask, RoundContext, Upload
 
 # correction(grads, params) modifies the flat gradient in place before clipping.
 Correction = Callable[[torch.Tensor, torch.Tensor], None]
+# gradient_fn(task, x, y, loss_fn) fills task.model.grads for one batch, leaves the
+# parameters as it found them and returns the batch's loss (what train reports).
+GradientFn = Callable[[ClientTask, torch.Tensor, torch.Tensor, Callable], torch.Tensor]
 
 
 def sgd_step(params: torch.Tensor, grads: torch.Tensor, lr: float, weight_decay: float,
@@ -44,8 +49,17 @@ def cross_entropy(module, x, y) -> torch.Tensor:
     return F.cross_entropy(module(x), y)
 
 
+def loss_gradient(task: ClientTask, x, y, loss_fn) -> torch.Tensor:
+    """The default ``gradient_fn``: the loss's gradient at the current parameters."""
+    task.model.zero_grad()
+    loss = loss_fn(task.model.module, x, y)
+    loss.backward()
+    return loss
+
+
 def train(task: ClientTask, ctx: RoundContext, correction: Correction | None = None,
-          loss_fn: Callable | None = None) -> tuple[float, int]:
+          loss_fn: Callable | None = None,
+          gradient_fn: GradientFn | None = None) -> tuple[float, int]:
     """Run E local epochs from the model's current parameters.
 
     Returns (mean training loss over steps, number of steps). The loss is accumulated on
@@ -53,13 +67,12 @@ def train(task: ClientTask, ctx: RoundContext, correction: Correction | None = N
     """
     flat, module = task.model, task.model.module
     loss_fn = loss_fn or task.loss_fn or cross_entropy
+    gradient_fn = gradient_fn or loss_gradient
     module.train()
     total = torch.zeros((), device=flat.params.device)
     steps = 0
     for x, y in task.data.batches(ctx.local_epochs, ctx.batch_size):
-        flat.zero_grad()
-        loss = loss_fn(module, x, y)
-        loss.backward()
+        loss = gradient_fn(task, x, y, loss_fn)
         if correction is not None:
             correction(flat.grads, flat.params[:flat.num_params])
         sgd_step(flat.params[:flat.num_params], flat.grads, ctx.lr, ctx.weight_decay,
@@ -70,9 +83,10 @@ def train(task: ClientTask, ctx: RoundContext, correction: Correction | None = N
 
 
 def local_update(task: ClientTask, x: torch.Tensor, ctx: RoundContext,
-                 correction: Correction | None = None) -> Upload:
+                 correction: Correction | None = None,
+                 gradient_fn: GradientFn | None = None) -> Upload:
     """Load x, train, and return Delta = x_K - x (the common case of every method)."""
     task.model.load(x)
-    loss, steps = train(task, ctx, correction)
+    loss, steps = train(task, ctx, correction, gradient_fn=gradient_fn)
     delta = task.model.params - x
     return Upload(delta=delta, num_samples=task.data.num_samples, loss=loss, steps=steps)

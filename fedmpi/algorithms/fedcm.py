@@ -1,0 +1,64 @@
+"""FedCM: Federated Learning with Client-level Momentum.
+
+Xu, Wang, Wang, Zhang, Wang, Huang, https://arxiv.org/abs/2106.10874, in the form of
+FL-Simulator (woodenchild95/FL-Simulator client/fedcm.py, server/FedCM.py), ALGORITHMS.md 3:
+
+    client: m = -Dbar^{t-1} / (K eta_l^{t-1});  each step w <- w - eta_l (clip(v) + wd w),
+            v = alpha g(w) + (1 - alpha) m;  upload Delta_i = w_K - x^t
+    server: Dbar^t = sum_i n_i Delta_i / sum_i n_i;  x^{t+1} = x^t + eta_g Dbar^t
+
+Messages: 2d down (x, m), d up. The server keeps Dbar and its mean step count K
+(``momentum`` explains K with unequal clients); m = 0 in round 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import UsageError
+from . import local_sgd, momentum
+from .base import Params, register
+from .fedavg import FedAvg
+
+
+def check_fraction(name: str, value: float) -> None:
+    if not 0.0 <= value <= 1.0:
+        raise UsageError(f"config field algorithm.{name}: must be in [0, 1], got {value}")
+
+
+@register
+class FedCM(FedAvg):
+    name = "fedcm"
+    paper = "Xu et al. 2021, arXiv:2106.10874"
+
+    @dataclass(frozen=True)
+    class Params(Params):
+        alpha: float = field(default=0.1, metadata={
+            "doc": "weight of the fresh gradient, v = alpha g + (1 - alpha) m (FL-Simulator 0.1)"})
+
+        def __post_init__(self):
+            check_fraction("alpha", self.alpha)
+
+    def traffic(self, d, phase):
+        return 2 * d, d
+
+    def init_server_state(self, x):
+        return {"x": x.clone(), "D": torch.zeros_like(x),
+                "K": torch.zeros(1, dtype=torch.float64)}   # K = 0: no update yet, m = 0
+
+    def payload(self, state, ctx):
+        m = momentum.gradient_units(state["D"], float(state["K"]), ctx.lr_prev)
+        return {"x": state["x"], "m": m}
+
+    def local_update(self, task, payload, client_state, ctx):
+        return local_sgd.local_update(task, payload["x"], ctx, self.correction(payload))
+
+    def correction(self, payload):
+        return momentum.mixed(self.params.alpha, payload["m"])
+
+    def server_update(self, state, sums, gathered, ctx):
+        super().server_update(state, sums, gathered, ctx)
+        state["D"] = sums["delta"] / float(sums["weight"])
+        state["K"][0] = momentum.mean_steps(gathered, weighted=True)

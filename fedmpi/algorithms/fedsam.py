@@ -1,0 +1,44 @@
+"""FedSAM: Generalized Federated Learning via Sharpness Aware Minimization.
+
+Qu, Li, Duan, Liu, Tang, Lu, ICML 2022, https://arxiv.org/abs/2206.02618
+[code: FL-Simulator client/fedsam.py, optimizer/ESAM.py], ALGORITHMS.md 3:
+
+    client: each step g1 = grad f(w), e = rho g1 / (||g1|| + 1e-7), g~ = grad f(w + e) on
+            the same batch; w <- w - eta_l (clip(g~) + wd w);  upload Delta_i = w_K - x^t
+    server: FedAvg, x^{t+1} = x^t + eta_g sum_i n_i Delta_i / sum_i n_i
+
+Messages d down, d up; two forward/backward passes per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import UsageError
+from . import local_sgd
+from .base import Params, register
+from .fedavg import FedAvg
+from .sam import sam_gradient
+
+
+def check_rho(rho: float) -> None:
+    if rho < 0:
+        raise UsageError(f"config field algorithm.rho: must be >= 0, got {rho}")
+
+
+@register
+class FedSAM(FedAvg):
+    name = "fedsam"
+    paper = "Qu et al. 2022, arXiv:2206.02618"
+
+    @dataclass(frozen=True)
+    class Params(Params):
+        rho: float = field(default=0.1, metadata={
+            "doc": "SAM perturbation radius rho (FL-Simulator 0.1; 0 = plain SGD)"})
+
+        def __post_init__(self):
+            check_rho(self.rho)
+
+    def local_update(self, task, payload, client_state, ctx):
+        return local_sgd.local_update(task, payload["x"], ctx,
+                                      gradient_fn=sam_gradient(self.params.rho))

@@ -1,0 +1,42 @@
+"""MoFedSAM: FedSAM with FedCM's client-level momentum.
+
+Qu, Li, Duan, Liu, Tang, Lu, "Generalized Federated Learning via Sharpness Aware
+Minimization", ICML 2022, https://arxiv.org/abs/2206.02618
+[code: FL-Simulator client/mofedsam.py, server/MoFedSAM.py], ALGORITHMS.md 3:
+
+    client: m = -Dbar^{t-1} / (K eta_l^{t-1});  each step g~ = SAM gradient (rho, as FedSAM),
+            v = alpha g~ + (1 - alpha) m,  w <- w - eta_l (clip(v) + wd w)
+    server: as FedCM, x^{t+1} = x^t + eta_g Dbar^t (n_i-weighted mean)
+
+Messages 2d down (x, m), d up; server keeps Dbar and K. Defaults from the FL-Simulator
+README (rho 0.1, alpha 0.1); FedMRUR's MoFedSAM baseline uses rho 0.5.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from . import local_sgd
+from .base import register
+from .fedcm import FedCM
+from .fedsam import check_rho
+from .sam import sam_gradient
+
+
+@register
+class MoFedSAM(FedCM):
+    name = "mofedsam"
+    paper = "Qu et al. 2022, arXiv:2206.02618"
+
+    @dataclass(frozen=True)
+    class Params(FedCM.Params):
+        rho: float = field(default=0.1, metadata={
+            "doc": "SAM perturbation radius rho (FL-Simulator 0.1; FedMRUR paper 0.5)"})
+
+        def __post_init__(self):
+            super().__post_init__()
+            check_rho(self.rho)
+
+    def local_update(self, task, payload, client_state, ctx):
+        return local_sgd.local_update(task, payload["x"], ctx, self.correction(payload),
+                                      gradient_fn=sam_gradient(self.params.rho))
