@@ -1,0 +1,164 @@
+"""FedMIM: Enhance Local Consistency in Federated Learning: A Multi-Step Inertial Momentum Approach.
+
+Liu, Sun, Ding, Shen, Liu and Tao, 2023, https://arxiv.org/abs/2302.05726
+
+With the last J global displacements u_j = x^{t-j} - x^{t-j-1} (j = 0..J-1, zero before
+the history exists), A = sum_j alpha_j < 1 and K the client's step count, each local step
+(Algorithm 1) is
+
+    x_{k+1} = x_k + sum_j alpha_j u_j / K - (1 - A) eta_l (g + wd x_k),
+    g = clip_10( grad f_i(x_k + sum_j beta_j u_j / K) )
+
+(gradient at the beta-lookahead point, taken like a SAM perturbation; weight decay at
+x_k). Server: x^{t+1} = x^t + eta_g (1/S) sum_i Delta_i, the plain mean of the client
+models at eta_g = 1. The server keeps J+1 snapshots and sends the J displacements:
+(1+J)d down, d up ("honest"); the paper counts d down ("paper"). ALGORITHMS.md 2.2.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..errors import UsageError
+from . import local_sgd
+from .base import Algorithm, Params, Upload, register
+
+
+class _SequenceMeta(type):
+    # TOML gives arrays as lists; algorithms.build checks isinstance(value, type(default)),
+    # so a list of numbers must count as a FloatTuple there.
+    def __instancecheck__(cls, value):
+        return isinstance(value, (list, tuple)) and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+
+
+class FloatTuple(tuple, metaclass=_SequenceMeta):
+    """A tuple of floats that accepts a list of numbers from a config file."""
+
+
+def _float_tuple(name: str, value) -> FloatTuple:
+    values = FloatTuple(float(v) for v in value)
+    if not all(math.isfinite(v) for v in values):
+        raise UsageError(f"config field algorithm.{name}: must be finite numbers, got {list(value)}")
+    return values
+
+
+@register
+class FedMIM(Algorithm):
+    name = "fedmim"
+    paper = "Liu et al. 2023, arXiv:2302.05726"
+    diagnostic_fields = ("fedmim_local_consistency",)
+
+    @dataclass(frozen=True)
+    class Params(Params):
+        J: int = field(default=2, metadata={"doc": "J, number of past global displacements used"})
+        alpha: FloatTuple = field(default=FloatTuple((0.6, 0.3)), metadata={
+            "doc": "alpha_1..alpha_J inertia weights, newest first; sum < 1 (paper best (0.6, 0.3))"})
+        beta: FloatTuple = field(default=FloatTuple((0.9, 0.1)), metadata={
+            "doc": "beta_1..beta_J weights of the gradient's lookahead point, newest first "
+                   "(paper best (0.9, 0.1))"})
+        traffic_count: str = field(default="honest", metadata={
+            "doc": "'honest': (1+J)d down (the J displacements travel); "
+                   "'paper': d down, as the paper counts"})
+
+        def __post_init__(self):
+            if self.J < 1:
+                raise UsageError(f"config field algorithm.J: must be >= 1, got {self.J}")
+            for name in ("alpha", "beta"):
+                values = _float_tuple(name, getattr(self, name))
+                if len(values) != self.J:
+                    raise UsageError(f"config field algorithm.{name}: needs J = {self.J} values, "
+                                     f"got {len(values)}")
+                object.__setattr__(self, name, values)
+            if sum(self.alpha) >= 1:
+                raise UsageError("config field algorithm.alpha: sum must be < 1, "
+                                 f"got {sum(self.alpha)}")
+            if self.traffic_count not in ("honest", "paper"):
+                raise UsageError(f"config field algorithm.traffic_count: {self.traffic_count!r} is not "
+                                 "allowed; choose honest or paper")
+
+    def traffic(self, d, phase):
+        down = d if self.params.traffic_count == "paper" else (1 + self.params.J) * d
+        return down, d
+
+    def gather_sizes(self, d):
+        return {"delta_sq": 1}
+
+    def contribution_sizes(self, d):
+        return {"delta": d}  # unweighted: the server takes the plain mean over S_t
+
+    def init_server_state(self, x):
+        # history[j] = x^{t-1-j}; all x^0 at the start, so the missing displacements are 0.
+        return {"x": x.clone(), "history": x.clone().repeat(self.params.J, 1)}
+
+    def payload(self, state, ctx):
+        snapshots = torch.cat([state["x"][None], state["history"]])
+        return {"x": state["x"], "displacements": (snapshots[:-1] - snapshots[1:]).reshape(-1)}
+
+    def server_update(self, state, sums, gathered, ctx):
+        state["history"] = torch.cat([state["x"][None], state["history"][:-1]])
+        state["x"].add_(sums["delta"], alpha=ctx.global_lr / len(gathered["client"]))
+
+    def diagnostics(self, state, sums, gathered, ctx):
+        """(1/S) sum_i ||x_i - xbar||^2 = mean_i ||Delta_i||^2 - ||Dbar||^2 (same start x^t)."""
+        s = len(gathered["client"])
+        mean = sums["delta"].double() / s
+        return {"fedmim_local_consistency": float(np.mean(gathered["delta_sq"]) - mean.square().sum())}
+
+    def local_update(self, task, payload, client_state, ctx):
+        x = payload["x"]
+        u = payload["displacements"].view(self.params.J, -1)
+        steps = max(task.data.num_steps(ctx.local_epochs, ctx.batch_size), 1)
+        inertia = _weighted(self.params.alpha, u) / steps
+        lookahead = _weighted(self.params.beta, u) / steps
+        task.model.load(x)
+        scale = 1.0 - sum(self.params.alpha)
+        loss, k = inertial_train(task, ctx, inertia, lookahead, scale)
+        delta = task.model.params - x
+        return Upload(delta=delta, num_samples=task.data.num_samples, loss=loss, steps=k)
+
+    def contribution(self, upload):
+        return {"delta": upload.delta}
+
+    def gather(self, upload):
+        return {"delta_sq": upload.delta.double().square().sum().reshape(1)}
+
+
+def _weighted(weights, vectors: torch.Tensor) -> torch.Tensor:
+    w = torch.tensor(weights, dtype=vectors.dtype, device=vectors.device)
+    return w @ vectors
+
+
+def inertial_train(task, ctx, inertia: torch.Tensor, lookahead: torch.Tensor,
+                   scale: float) -> tuple[float, int]:
+    """E epochs of x <- x + inertia - scale eta_l (clip(grad f(x + lookahead)) + wd x).
+
+    The gradient is taken with the parameters moved to the lookahead point and restored
+    from a copy (not by subtracting, which would not give x_k back bit for bit).
+    """
+    flat, module = task.model, task.model.module
+    n = flat.num_params
+    params, inertia, lookahead = flat.params[:n], inertia[:n], lookahead[:n]
+    moved = bool(lookahead.any())
+    anchor = torch.empty_like(params)
+    loss_fn = task.loss_fn or local_sgd.cross_entropy
+    module.train()
+    total, steps = torch.zeros((), device=params.device), 0
+    for x, y in task.data.batches(ctx.local_epochs, ctx.batch_size):
+        flat.zero_grad()
+        if moved:
+            anchor.copy_(params)
+            params.add_(lookahead)
+        loss = loss_fn(module, x, y)
+        loss.backward()
+        if moved:
+            params.copy_(anchor)
+        local_sgd.sgd_step(params, flat.grads, scale * ctx.lr, ctx.weight_decay, ctx.clip_norm)
+        params.add_(inertia)
+        total += loss.detach()
+        steps += 1
+    return float(total) / max(steps, 1), steps

@@ -1,0 +1,298 @@
+"""FNR-FL (ALGORITHMS.md 2.5): the two phases against a numpy re-derivation on quadratic
+clients with a probe model, the faithful regulariser's zero gradient, the base plug-in,
+exact per-phase FL bytes, and the real runtime single process vs mpirun -n 3."""
+
+import math
+import sys
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from fedmpi import config as cfg
+from fedmpi.algorithms import ClientTask, build
+from fedmpi.algorithms import feature_norms as fn
+from fedmpi.algorithms.base import ClientData
+from fedmpi.errors import UsageError
+from fedmpi.flat import FlatModel
+from fedmpi.models import build_model
+from fedmpi.results import RunFile
+
+from conftest import mpirun, needs_mpi
+from harness import Simulation, StepsData
+from test_runtime import run_tiny
+
+# Public set: 2 classes, features phi(x) = x * w (elementwise), logits = phi(x).
+PUBLIC_X = np.array([[1.0, 0.2], [0.3, 1.0], [1.0, -0.5], [-0.2, 1.0], [0.6, 0.4]])
+PUBLIC_Y = np.array([0, 1, 0, 1, 0])
+CENTERS = {0: [1.0, 1.0], 1: [1.0, -1.0], 2: [-1.0, 1.0], 3: [-1.0, -1.0], 4: [2.0, 0.5]}
+STEPS = {0: 2, 1: 1, 2: 3, 3: 2, 4: 1}
+SIZES = {0: 10, 1: 30, 2: 20, 3: 40, 4: 25}
+PUBLIC_STEPS = 2   # batches per public epoch (each the whole set)
+
+
+class Probe(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(2))
+        self.classifier = nn.Identity()
+
+    def features(self, x):
+        return x * self.w
+
+    def forward(self, x):
+        return self.classifier(self.features(x))
+
+
+class PublicSet(ClientData):
+    """The whole public set as each batch, PUBLIC_STEPS batches per epoch."""
+
+    def __init__(self):
+        self.x = torch.tensor(PUBLIC_X, dtype=torch.float32)
+        self.y = torch.tensor(PUBLIC_Y)
+        self.num_samples = len(PUBLIC_Y)
+
+    def batches(self, epochs, batch_size):
+        for _ in range(epochs * PUBLIC_STEPS):
+            yield self.x, self.y
+
+
+def probe_task(c):
+    center = torch.tensor(CENTERS[c])
+    loss = lambda module, x, y: 0.5 * (module.w - center).square().sum()  # noqa: E731
+    return ClientTask(c, StepsData(SIZES[c], STEPS[c]), FlatModel(Probe()), torch.device("cpu"),
+                      loss, public=PublicSet())
+
+
+def norms_and_accuracy(w):
+    feats = PUBLIC_X * w
+    norms = np.linalg.norm(feats, axis=1)
+    F = np.array([norms[PUBLIC_Y == label].mean() for label in (0, 1)])
+    return F, np.mean(feats.argmax(1) == PUBLIC_Y)
+
+
+def reference(rounds, x0, lr, p, lam, E_re, over="unselected", mu=0.0):
+    """ALGORITHMS.md 2.5 in float64 on the probe clients (all five take part each round)."""
+    x = np.asarray(x0, dtype=np.float64)
+    clients = sorted(CENTERS)
+    log = []
+    for _ in range(rounds):
+        w = {}
+        for i in clients:                       # base: local GD on 0.5||w - c||^2 (+ prox)
+            w[i] = x.copy()
+            for _ in range(STEPS[i]):
+                w[i] = w[i] - lr * ((w[i] - CENTERS[i]) + mu * (w[i] - x))
+        F, A = zip(*(norms_and_accuracy(w[i]) for i in clients))
+        F, A = np.array(F), np.array(A)
+        n = np.array([SIZES[i] for i in clients], dtype=np.float64)
+        chosen = np.sort(np.argsort(A, kind="stable")[:math.floor(len(clients) * p)])
+        refined, losses, deltas = dict(w), {}, {}
+        rho = np.bincount(PUBLIC_Y, minlength=2) / len(PUBLIC_Y)
+        for j in chosen:
+            others = [m for m in range(len(clients)) if m not in chosen] if over == "unselected" \
+                else [m for m in range(len(clients)) if m != j]
+            deltas[j] = sum(F[m] - F[j] for m in others) if others else np.zeros(2)
+            v, total = w[clients[j]].copy(), 0.0
+            for _ in range(E_re * PUBLIC_STEPS):  # constant term: no effect on the step
+                total += 0.5 * np.sum((v - CENTERS[clients[j]]) ** 2) + lam * rho @ deltas[j]
+                v = v - lr * (v - CENTERS[clients[j]])
+            refined[clients[j]] = v
+            losses[clients[j]] = total / (E_re * PUBLIC_STEPS)
+        x = sum(n[k] * refined[i] for k, i in enumerate(clients)) / n.sum()
+        log.append({"x": x.copy(), "A": A, "F": F, "chosen": [clients[j] for j in chosen],
+                    "delta": [deltas[j] for j in chosen], "loss": losses})
+    return log
+
+
+def run_probe(params, rounds=2, lr=0.3):
+    tasks = {c: probe_task(c) for c in CENTERS}
+    sim = Simulation(build("fnrfl", {"num_classes": 2, **params}), tasks, x0=[0.2, 0.1])
+    out = []
+    for t in range(rounds):
+        diag = sim.round(sorted(CENTERS), t=t, lr=lr)
+        out.append((sim.state["x"].numpy().copy(), {k: dict(v) for k, v in sim.last.items()}, diag,
+                    {k: v.clone() for k, v in sim.state.items()}))
+    return out
+
+
+@pytest.mark.parametrize("over", ["unselected", "all_others"])
+def test_two_phases_match_the_numpy_rule(over):
+    got = run_probe({"p": 0.5, "lam": 0.7, "refine_epochs": 2, "delta_over": over})
+    ref = reference(2, [0.2, 0.1], lr=0.3, p=0.5, lam=0.7, E_re=2, over=over)
+    for (x, last, diag, state), r in zip(got, ref):
+        train = last["train"]["gathered"]
+        np.testing.assert_allclose(train["fnr_public_acc"], r["A"], atol=1e-7)
+        np.testing.assert_allclose(train["fnr_feature_norm"], r["F"], rtol=1e-6)
+        assert state["fnr_selected"].tolist() == r["chosen"] and len(r["chosen"]) == 2  # floor(5 * 0.5)
+        np.testing.assert_allclose(state["fnr_signal"].numpy(), np.array(r["delta"]), rtol=1e-5, atol=1e-6)
+        refine = last["refine"]
+        assert sorted(refine["uploads"]) == r["chosen"]
+        for k, (j, upload) in enumerate(refine["uploads"].items()):
+            assert upload.loss == pytest.approx(r["loss"][j], rel=1e-5)   # includes lambda * J
+            assert upload.steps == 2 * PUBLIC_STEPS
+            rho = np.array([3, 2]) / 5     # every public batch is the whole set
+            assert refine["gathered"]["fnr_penalty"][k] == pytest.approx(rho @ r["delta"][k], rel=1e-5)
+        np.testing.assert_allclose(x, r["x"], rtol=1e-5, atol=1e-6)
+        assert diag["fnr_refined"] == 2
+
+
+def test_fedprox_base_with_its_parameters():
+    got = run_probe({"base": "fedprox", "base_params": {"mu": 0.5}, "p": 0.4, "refine_epochs": 1})
+    ref = reference(2, [0.2, 0.1], lr=0.3, p=0.4, lam=1.0, E_re=1, mu=0.5)
+    for (x, _, _, state), r in zip(got, ref):
+        assert state["fnr_selected"].tolist() == r["chosen"] and len(r["chosen"]) == 2  # floor(5 * 0.4)
+        np.testing.assert_allclose(x, r["x"], rtol=1e-5, atol=1e-6)
+
+
+def test_p_zero_is_the_base_algorithm_exactly():
+    fnr = run_probe({"p": 0.0}, rounds=3)
+    tasks = {c: probe_task(c) for c in CENTERS}
+    avg = Simulation(build("fedavg", {}), tasks, x0=[0.2, 0.1])
+    for t, (x, last, diag, _) in enumerate(fnr):
+        avg.round(sorted(CENTERS), t=t, lr=0.3)
+        assert np.array_equal(x, avg.state["x"].numpy())
+        assert last["refine"]["uploads"] == {} and diag["fnr_refined"] == 0
+
+
+def test_ties_in_accuracy_go_to_the_lower_client_id():
+    alg = build("fnrfl", {"num_classes": 2, "p": 0.5})
+    state = alg.init_server_state(torch.zeros(3))
+    gathered = {"client": np.array([2.0, 5.0, 7.0, 9.0]), "n_samples": np.ones(4),
+                "fnr_public_acc": np.array([0.5, 0.25, 0.5, 0.25]),
+                "fnr_feature_norm": np.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0], [7.0, 8.0]])}
+    alg._select(state, gathered)
+    assert state["fnr_selected"].tolist() == [5, 9]
+    # Delta_5 = (F_2 - F_5) + (F_7 - F_5) = (-2, -2) + (2, 2) = 0; Delta_9 = (-6,-6) + (-2,-2)
+    assert state["fnr_signal"].tolist() == [[0.0, 0.0], [-8.0, -8.0]]
+    assert alg.phase_participants(state, "refine", np.array([2, 5, 7, 9])).tolist() == [5, 9]
+    # the extension's target: Fbar_j = mean of F over S minus S_re = (F_2 + F_7) / 2 = (3, 4)
+    ext = build("fnrfl", {"num_classes": 2, "p": 0.5, "regularizer": "differentiable"})
+    ext._select(state, gathered)
+    assert state["fnr_signal"].tolist() == [[3.0, 4.0], [3.0, 4.0]]
+
+
+def cnn_batch():
+    torch.manual_seed(0)
+    flat = FlatModel(build_model("cnn", 1, 10, 16, hidden=16, channels=(4, 8)))
+    x = torch.randn(12, 1, 16, 16)
+    y = torch.tensor([0, 1, 1, 2, 3, 3, 3, 4, 5, 7, 9, 9])
+    return flat, x, y
+
+
+def refine_grads(flat, x, y, mode, lam, signal):
+    flat.zero_grad()
+    fn.RefineLoss(mode, lam, signal)(flat.module, x, y).backward()
+    return flat.grads.clone()
+
+
+def test_faithful_regulariser_has_zero_gradient_bit_for_bit():
+    flat, x, y = cnn_batch()
+    delta = torch.linspace(-3, 5, 10)
+    zero = refine_grads(flat, x, y, "faithful", 0.0, delta)
+    assert torch.equal(refine_grads(flat, x, y, "faithful", 1.0, delta), zero)
+    assert torch.equal(refine_grads(flat, x, y, "faithful", 250.0, delta), zero)
+    assert not torch.equal(refine_grads(flat, x, y, "differentiable", 1.0, delta.abs()), zero)
+
+
+def test_differentiable_penalty_by_hand():
+    # classes: 0 -> norms 3, 5 (mean 4); 2 -> norm 1; class 1 absent. rho = (2/3, 0, 1/3).
+    feats = torch.tensor([[3.0, 0.0], [0.0, 5.0], [0.6, 0.8]], requires_grad=True)
+    y = torch.tensor([0, 0, 2])
+    target = torch.tensor([6.0, 100.0, 0.0])
+    value = fn.differentiable_penalty(feats, y, target)
+    assert float(value.detach()) == pytest.approx(2 / 3 * (6 - 4) ** 2 + 1 / 3 * (0 - 1) ** 2)
+    value.backward()
+    # d/d||f_0|| = 2/3 * 2 (4 - 6) * 1/2 = -4/3, along f_0 / ||f_0|| = (1, 0)
+    assert feats.grad[0].tolist() == pytest.approx([-4 / 3, 0.0])
+
+
+def test_constant_penalty_by_hand():
+    y = torch.tensor([0, 0, 1, 3])
+    assert float(fn.constant_penalty(y, torch.tensor([2.0, -4.0, 9.0, 8.0]))) == pytest.approx(0.5 * 2 - 0.25 * 4 + 0.25 * 8)
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"base": "fnrfl"}, "algorithm.base"), ({"base": "nope"}, "algorithm.base"),
+    ({"base_params": {"mu": -1.0}}, "algorithm.base_params"),
+    ({"base": "fedprox", "base_params": {"nu": 1.0}}, "algorithm.base_params"),
+    ({"p": 1.5}, "algorithm.p"), ({"lam": -1.0}, "algorithm.lam"),
+    ({"delta_over": "some"}, "algorithm.delta_over"), ({"regularizer": "soft"}, "algorithm.regularizer"),
+    ({"regularizer": "differentiable", "p": 1.0}, "algorithm.p"), ({"refine_epochs": 0}, "algorithm.refine_epochs"),
+])
+def test_bad_parameters_are_one_line_usage_errors(params, message):
+    with pytest.raises(UsageError, match=message):
+        build("fnrfl", params)
+
+
+def test_base_params_resolve_and_round_trip_through_toml():
+    import tomllib
+
+    c = cfg.from_dict(tomllib.loads('[algorithm]\nname = "fnrfl"\nbase = "fedprox"\n'
+                                    '[algorithm.base_params]\nmu = 0.1\n'))
+    assert c.algorithm.params["base_params"] == {"mu": 0.1}
+    assert cfg.from_dict({"algorithm": {"name": "fnrfl", "base": "fedprox"}}).algorithm.params["base_params"] \
+        == {"mu": 0.01}   # every base parameter written out
+    again = cfg.from_dict(tomllib.loads(cfg.to_toml(c.to_dict())))
+    assert again.algorithm.params == c.algorithm.params
+
+
+def test_traffic_is_declared_per_phase():
+    alg = build("fnrfl", {"num_classes": 10})
+    assert alg.traffic(1000, "train") == (1000, 1011) and alg.traffic(1000, "refine") == (10, 1000)
+
+
+TINY_FNR = dict(data={"public_size": 100}, algorithm={"name": "fnrfl"}, rounds=2)
+
+
+def test_runtime_fl_bytes_and_refined_clients(tmp_path):
+    c, exp, run = run_tiny(tmp_path, "fnr", **TINY_FNR)
+    with run:
+        d, s, C = exp.d, c.clients.per_round, 10
+        r = math.floor(s * 0.5)
+        rounds, clients = run.rounds(), run.clients()
+        # train: d down, d + C + 1 up per client; refine: C down, d up per refined client
+        assert rounds["fl_bytes_down"].tolist() == [(s * d + r * C) * 4] * 2
+        assert rounds["fl_bytes_up"].tolist() == [(s * (d + C + 1) + r * d) * 4] * 2
+        assert rounds["fnr_refined"].tolist() == [r] * 2
+        for t in (1, 2):
+            train = (clients["round"] == t) & (clients["phase"] == 0)
+            refine = (clients["round"] == t) & (clients["phase"] == 1)
+            assert train.sum() == s and refine.sum() == r
+            lowest = clients["client"][train][np.argsort(clients["fnr_public_acc"][train], kind="stable")[:r]]
+            assert sorted(clients["client"][refine].tolist()) == sorted(lowest.tolist())
+            assert np.all(clients["bytes_down"][refine] == C * 4) and np.all(clients["bytes_up"][refine] == d * 4)
+            assert np.all(np.isnan(clients["fnr_public_acc"][refine]))
+            assert np.all(np.isnan(clients["fnr_penalty"][train]))
+            assert np.all(np.isfinite(clients["fnr_penalty"][refine]))
+
+
+def test_runtime_faithful_lambda_changes_nothing_but_the_logged_loss(tmp_path):
+    det = {"deterministic": True}
+    _, _, a = run_tiny(tmp_path, "lam0", **{**TINY_FNR, "algorithm": {"name": "fnrfl", "lam": 0.0}}, system=det)
+    _, _, b = run_tiny(tmp_path, "lam5", **{**TINY_FNR, "algorithm": {"name": "fnrfl", "lam": 5.0}}, system=det)
+    _, _, avg = run_tiny(tmp_path, "avg", **{**TINY_FNR, "algorithm": {"name": "fnrfl", "p": 0.0}}, system=det)
+    _, _, fedavg = run_tiny(tmp_path, "fedavg", data={"public_size": 100}, rounds=2, system=det)
+    with a, b, avg, fedavg:
+        assert np.array_equal(a.model(), b.model())
+        refine = a.clients()["phase"] == 1
+        assert not np.array_equal(a.clients()["train_loss"][refine], b.clients()["train_loss"][refine])
+        assert np.array_equal(a.clients()["fnr_penalty"], b.clients()["fnr_penalty"], equal_nan=True)
+        assert not np.array_equal(a.model(), avg.model())
+        assert np.array_equal(avg.model(), fedavg.model())   # p = 0: an empty refine phase
+
+
+@needs_mpi
+def test_mpirun_3_is_bitwise_the_single_process_run(tmp_path):
+    det = {"deterministic": True}
+    _, _, single = run_tiny(tmp_path, "single", **TINY_FNR, system=det)
+    from helpers import write_config
+    config = write_config(tmp_path / "fnr.toml", **TINY_FNR, system=det)
+    mpirun(3, [sys.executable, "-m", "fedmpi", "run", "-q", str(config), "-o", str(tmp_path / "n3.h5")])
+    with single, RunFile(tmp_path / "n3.h5") as b:
+        assert b.attrs["world_size"] == 3
+        assert np.array_equal(single.model(), b.model())
+        ca, cb = single.clients(), b.clients()
+        assert np.array_equal(ca["client"], cb["client"]) and np.array_equal(ca["phase"], cb["phase"])
+        assert np.array_equal(ca["fnr_public_acc"], cb["fnr_public_acc"], equal_nan=True)
+        assert np.array_equal(single.rounds()["fnr_refined"], b.rounds()["fnr_refined"])
