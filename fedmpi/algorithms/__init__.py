@@ -8,7 +8,8 @@ from __future__ import annotations
 import dataclasses
 
 from ..errors import UsageError
-from .base import REGISTRY, Algorithm, ClientTask, RoundContext, Upload, params_table, register
+from .base import (REGISTRY, Algorithm, ClientTask, RoundContext, Upload, default_of,
+                   params_table, register)
 
 
 def _import_all() -> None:
@@ -63,23 +64,28 @@ def build(name: str, params: dict) -> Algorithm:
     """The algorithm ``name`` with ``params`` checked against its Params dataclass."""
     cls = _lookup(name)
     fields = {f.name: f for f in dataclasses.fields(cls.Params)}
+    values = {}
     for key, value in params.items():
         if key not in fields:
             allowed = ", ".join(fields) or "none"
             raise UsageError(f"config field algorithm.{key}: {name} has no such parameter; "
                              f"allowed: {allowed}")
-        _check_type(f"algorithm.{key}", value, fields[key].default)
-    return cls(cls.Params(**params))
+        values[key] = _checked(f"algorithm.{key}", value, default_of(fields[key]))
+    return cls(cls.Params(**values))
 
 
-def _check_type(field: str, value, default) -> None:
-    """A parameter must have the type of its default (ints are accepted for floats)."""
+def _checked(field: str, value, default):
+    """A parameter must have the type of its default. Config files have no tuples and
+    ints for floats are fine: a list becomes a tuple (its elements are the Params
+    class's to check), an int a float; a table is a dict parameter."""
     kind = type(default)
-    ok = isinstance(value, kind) and not (isinstance(value, bool) and kind is not bool)
+    if kind is tuple and isinstance(value, (list, tuple)):
+        return tuple(value)
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        ok = True
-    if not ok:
+        return float(value)
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         raise UsageError(f"config field {field}: expected {kind.__name__}, got {value!r}")
+    return value
 
 
 __all__ = ["REGISTRY", "Algorithm", "ClientTask", "RoundContext", "Upload", "build",

@@ -181,6 +181,10 @@ def register(cls: type[Algorithm]) -> type[Algorithm]:
     return cls
 
 
+def default_of(f: dataclasses.Field):
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
 def params_table(cls: type[Algorithm]) -> list[tuple[str, Any, str]]:
     """(name, default, one-line doc) of each parameter, from the field metadata ``doc``."""
-    return [(f.name, f.default, f.metadata.get("doc", "")) for f in dataclasses.fields(cls.Params)]
+    return [(f.name, default_of(f), f.metadata.get("doc", "")) for f in dataclasses.fields(cls.Params)]

@@ -28,20 +28,10 @@ from . import local_sgd
 from .base import Algorithm, Params, Upload, register
 
 
-class _SequenceMeta(type):
-    # TOML gives arrays as lists; algorithms.build checks isinstance(value, type(default)),
-    # so a list of numbers must count as a FloatTuple there.
-    def __instancecheck__(cls, value):
-        return isinstance(value, (list, tuple)) and all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
-
-
-class FloatTuple(tuple, metaclass=_SequenceMeta):
-    """A tuple of floats that accepts a list of numbers from a config file."""
-
-
-def _float_tuple(name: str, value) -> FloatTuple:
-    values = FloatTuple(float(v) for v in value)
+def _float_tuple(name: str, value) -> tuple[float, ...]:
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+        raise UsageError(f"config field algorithm.{name}: must be numbers, got {list(value)}")
+    values = tuple(float(v) for v in value)
     if not all(math.isfinite(v) for v in values):
         raise UsageError(f"config field algorithm.{name}: must be finite numbers, got {list(value)}")
     return values
@@ -56,9 +46,9 @@ class FedMIM(Algorithm):
     @dataclass(frozen=True)
     class Params(Params):
         J: int = field(default=2, metadata={"doc": "J, number of past global displacements used"})
-        alpha: FloatTuple = field(default=FloatTuple((0.6, 0.3)), metadata={
+        alpha: tuple = field(default=(0.6, 0.3), metadata={
             "doc": "alpha_1..alpha_J inertia weights, newest first; sum < 1 (paper best (0.6, 0.3))"})
-        beta: FloatTuple = field(default=FloatTuple((0.9, 0.1)), metadata={
+        beta: tuple = field(default=(0.9, 0.1), metadata={
             "doc": "beta_1..beta_J weights of the gradient's lookahead point, newest first "
                    "(paper best (0.9, 0.1))"})
         traffic_count: str = field(default="honest", metadata={

@@ -24,7 +24,6 @@ traffic is: train = the base's + (C + 1) up; refine = C down (Delta_j), d up (w_
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass, field
 
@@ -35,30 +34,6 @@ from ..errors import UsageError
 from . import feature_norms as fn
 from . import local_sgd
 from .base import Algorithm, Params, Upload, register
-
-
-class _TableMeta(type):
-    # algorithms.build checks isinstance(value, type(default)): any dict counts.
-    def __instancecheck__(cls, value):
-        return isinstance(value, dict)
-
-
-class ParamTable(dict, metaclass=_TableMeta):
-    """A dict that can be a frozen dataclass default; printed as a TOML inline table."""
-
-    def __hash__(self):
-        return hash(repr(self))
-
-    def __repr__(self):
-        return "{" + ", ".join(f"{k} = {_toml(v)}" for k, v in self.items()) + "}"
-
-
-def _toml(value) -> str:
-    if isinstance(value, (bool, str)):
-        return json.dumps(value)
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml(v) for v in value) + "]"
-    return repr(value)
 
 
 def _fail(name: str, message: str) -> UsageError:
@@ -76,7 +51,7 @@ class FNRFL(Algorithm):
     class Params(Params):
         base: str = field(default="fedavg", metadata={
             "doc": "base method: fedavg, fedprox, scaffold, moon, fednova (any one-phase method)"})
-        base_params: ParamTable = field(default=ParamTable(), metadata={
+        base_params: dict = field(default_factory=dict, metadata={
             "doc": "the base's parameters, e.g. {mu = 0.01} (resolved: every one written out)"})
         p: float = field(default=0.5, metadata={
             "doc": "p: the floor(n p) clients of lowest public accuracy are refined (code 0.5)"})
@@ -108,7 +83,7 @@ class FNRFL(Algorithm):
             if self.regularizer == "differentiable" and self.delta_over == "unselected" and self.p == 1:
                 raise _fail("p", "p = 1 leaves no unrefined client to take the target norms from")
             resolved = dataclasses.asdict(_build_base(self).params)
-            object.__setattr__(self, "base_params", ParamTable(resolved))
+            object.__setattr__(self, "base_params", resolved)
 
     def __init__(self, params=None):
         super().__init__(params)
