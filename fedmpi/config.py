@@ -9,8 +9,9 @@ Sections of a TOML file (every key optional)::
 
     name, seed, rounds, output, plugins (modules to import: your own algorithms)
     [data]       dataset, data_dir, augment, crop_padding, flip, + dataset options
-    [partition]  kind, + its parameters (dirichlet: alpha, min_size)
-    [clients]    num, per_round
+    [partition]  kind, + its parameters (dirichlet: alpha, min_size, ...), feature skew
+                 (noise, noise_mode, brightness, saturation)
+    [clients]    num, per_round, replace_prob, replace_every
     [model]      name, channels_last, + model options (e.g. hidden = 256)
     [algorithm]  name, + algorithm parameters (e.g. mu = 0.01)
     [train]      local_epochs, batch_size, lr, lr_decay, weight_decay, clip_norm, global_lr
@@ -47,14 +48,23 @@ class DataConfig:
 
 @dataclass
 class PartitionConfig:
-    kind: str = "iid"                  # iid | dirichlet (alpha: smaller = more label skew; min_size)
+    kind: str = "iid"                  # iid | dirichlet | pathological | quantity | natural
     params: dict = field(default_factory=dict)    # the kind's parameters, e.g. alpha = 0.3
+    # Feature skew, on top of any kind (label + feature = a label kind with these set):
+    noise: float = 0.0                 # Gaussian pixel noise (images in [0, 1]); "level": client
+                                       # i of K gets std noise * i / (K - 1) (FNR-FL, NIID-Bench)
+    noise_mode: str = "level"          # level | space (std = noise only in client i's image block)
+    brightness: float = 0.0            # client brightness factor ~ U(1 - b, 1 + b), fixed per client
+    saturation: float = 0.0            # client saturation factor ~ U(1 - s, 1 + s) (FedMIM colour skew)
 
 
 @dataclass
 class ClientsConfig:
     num: int = 20                      # N, the client population
     per_round: int = 5                 # S, clients sampled uniformly without replacement
+    replace_prob: float = 0.0          # dynamic population (FedACG Table 3): every replace_every
+    replace_every: int = 0             # rounds each client is replaced with this probability by
+                                       # a fresh one (new id, no state, fresh data); 0 = static
 
 
 @dataclass
@@ -235,6 +245,7 @@ def validate(c: ExperimentConfig) -> None:
     _one_of("data.dataset", c.data.dataset, DATASETS)
     _validate_device(c.system.device)
     _one_of("data.public_from", c.data.public_from, {"train", "test"})
+    _validate_skew(c)
     c.partition.params = partition_params(c.partition.kind, c.partition.params)
     check_dataset_options(c.data.dataset, c.data.options)
     # Resolved = every parameter written out, so the results file says what actually ran.
@@ -245,6 +256,21 @@ def validate(c: ExperimentConfig) -> None:
         c.output_path()
     except (KeyError, IndexError, ValueError) as exc:
         raise _fail("output", f"bad placeholder {exc}; allowed: {{name}} {{algorithm}} {{dataset}} {{seed}}")
+
+
+def _validate_skew(c: ExperimentConfig) -> None:
+    """Feature skew and the dynamic population: ranges and the fields they need together."""
+    p, cl = c.partition, c.clients
+    for name, value in (("partition.noise", p.noise), ("clients.replace_every", cl.replace_every)):
+        _positive(name, value, allow_zero=True)
+    for name, value in (("partition.brightness", p.brightness),
+                        ("partition.saturation", p.saturation), ("clients.replace_prob", cl.replace_prob)):
+        if not 0 <= value <= 1:
+            raise _fail(name, f"must be in [0, 1], got {value}")
+    _one_of("partition.noise_mode", p.noise_mode, {"level", "space"})
+    if (cl.replace_prob > 0) != (cl.replace_every > 0):
+        raise _fail("clients.replace_prob", "a dynamic population needs both clients.replace_prob "
+                    "> 0 and clients.replace_every > 0 (rounds between replacements)")
 
 
 def _validate_device(device: str) -> None:

@@ -9,8 +9,10 @@ kept in SWMR mode so it can be read while the run goes and after a crash::
                              of the attrs stored as JSON), one attr per provenance key
                              (git_commit, hostnames, world_size, seed, torch_version, ...)
     /partition/              client_offsets (C+1,), client_indices (N,), class_counts
-                             (C, K), client_sizes (C,): int64; arrays of >= 1024 elements
-                             are gzip-compressed
+                             (C, K), client_sizes (C,), public_indices, population
+                             (stages, slots), identity_slot, identity_stage: int64;
+                             noise_std, brightness, saturation (C,): float64; arrays of
+                             >= 1024 elements are gzip-compressed
     /rounds/<field>          one extendable 1-D column per round field, one row per round
     /clients/<field>         one extendable 1-D column per field, one row per
                              (round, client) participation

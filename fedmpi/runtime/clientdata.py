@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ..algorithms.base import ClientData
-from ..data.augment import augment, to_float
+from ..data.augment import ClientSkew, crop_flip, skewed_float, to_float
 from .rng import torch_generator
 
 
@@ -27,28 +27,36 @@ class DeviceData:
         self.test_x = dataset.test_x.to(device)
         self.test_y = dataset.test_y.to(device)
         self.mean, self.std = dataset.mean, dataset.std
+        self.text = getattr(dataset, "modality", "image") == "text"
         self.augment, self.crop_padding, self.flip = augment, crop_padding, flip
         self.channels_last = channels_last
 
-    def prepare(self, x_uint8: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    def prepare(self, x_uint8: torch.Tensor, generator: torch.Generator | None,
+                skew: ClientSkew | None = None) -> torch.Tensor:
+        """A batch as the model takes it: token ids for text; for images crop/flip (when
+        augmenting), the client's feature skew, normalisation. ``generator`` None = test."""
+        if self.text:
+            return x_uint8.long()
         if generator is not None and self.augment:
-            return augment(x_uint8, generator, crop_padding=self.crop_padding, flip=self.flip,
-                           mean=self.mean, std=self.std, channels_last=self.channels_last)
+            x_uint8 = crop_flip(x_uint8, generator, self.crop_padding, self.flip)
+        if generator is not None and skew is not None:
+            return skewed_float(x_uint8, skew, generator, self.mean, self.std, self.channels_last)
         return to_float(x_uint8, self.mean, self.std, channels_last=self.channels_last)
 
     def client(self, indices: np.ndarray, seed: int, round_: int, client: int,
-               phase: int, split: str = "train", stream: str = "") -> "TensorClientData":
+               phase: int, split: str = "train", stream: str = "",
+               skew: ClientSkew | None = None) -> "TensorClientData":
         """A client's view of ``indices`` into ``split`` (train, or test for FNR-FL's leaky
         public set); ``stream`` names a separate random stream (the public set's)."""
-        return TensorClientData(self, indices, seed, (round_, client, phase), split, stream)
+        return TensorClientData(self, indices, seed, (round_, client, phase), split, stream, skew)
 
 
 class TensorClientData(ClientData):
     """Batches of one client: order and augmentation keyed by (seed, round, client, phase)."""
 
     def __init__(self, data: DeviceData, indices: np.ndarray, seed: int, key: tuple[int, ...],
-                 split: str = "train", stream: str = ""):
-        self.data = data
+                 split: str = "train", stream: str = "", skew: ClientSkew | None = None):
+        self.data, self.skew = data, skew
         self.x = data.train_x if split == "train" else data.test_x
         self.y = data.train_y if split == "train" else data.test_y
         self.purpose = f"-{stream}" if stream else ""
@@ -65,4 +73,4 @@ class TensorClientData(ClientData):
             idx = idx.to(self.data.device, non_blocking=True)
             for start in range(0, self.num_samples, batch_size):
                 batch = idx[start:start + batch_size]
-                yield self.data.prepare(self.x[batch], aug), self.y[batch]
+                yield self.data.prepare(self.x[batch], aug, self.skew), self.y[batch]

@@ -30,15 +30,16 @@ import numpy as np
 import torch
 
 from .. import __version__, algorithms
-from ..data import class_counts, load_dataset, make_partition
+from ..data import load_dataset
 from ..errors import UsageError
 from ..evaluation import chunks_of, combine, evaluate_chunks
 from ..flat import FlatModel
 from ..models import build_model
 from ..results import ResultsWriter
 from .clientdata import DeviceData
+from .federation import federate
 from .plan import place, sample_clients
-from .rng import key_seed, numpy_rng
+from .rng import key_seed
 from .state import ClientStateStore
 from .stats import STAT_SIZES_KEYS, stat_contribution, update_statistics
 from .system import choose_device, choose_threads, tune_malloc
@@ -95,34 +96,13 @@ class Experiment:
             self._create_file(dataset, ranks)
 
     def _partition(self, dataset) -> None:
-        """Computed once on the server from the seed, broadcast as (offsets, indices, public)."""
-        part = None
-        if self.comm.is_server:
-            labels = dataset.train_y.numpy()
-            public = self._public_indices(dataset)
-            pool = np.arange(len(labels))
-            if self.config.data.public_from == "train" and len(public):
-                pool = np.setdiff1d(pool, public)  # the public set is nobody's training data
-            p = self.config.partition
-            split = make_partition(p.kind, labels[pool], self.config.clients.num,
-                                   self.config.seed, **p.params)
-            part = (split.offsets, pool[split.indices], public)
-        self.offsets, self.indices, self.public = self.comm.bcast_obj(part)
-        self.sizes = np.diff(self.offsets)
+        """Computed once on the server from the seed, broadcast (see `federate`)."""
+        split = federate(self.config, dataset) if self.comm.is_server else None
+        self.split = self.comm.bcast_obj(split)
+        self.public = self.split.public
+        self.sizes = self.split.sizes
         # Placement balances local steps, which is what training time is proportional to.
         self.steps = -(-self.sizes // self.config.train.batch_size)
-
-    def _public_indices(self, dataset) -> np.ndarray:
-        """FNR-FL's server-side labelled set: random training samples, or the first test ones."""
-        size, source = self.config.data.public_size, self.config.data.public_from
-        available = len(dataset.train_y) if source == "train" else len(dataset.test_y)
-        if size >= available:
-            raise UsageError(f"config field data.public_size: {size} must be below the "
-                             f"{available} {source} samples")
-        if source == "test":
-            return np.arange(size, dtype=np.int64)
-        rng = numpy_rng(self.config.seed, "public")
-        return np.sort(rng.choice(available, size=size, replace=False)).astype(np.int64)
 
     def _model(self, dataset) -> None:
         cfg = self.config
@@ -147,10 +127,7 @@ class Experiment:
             "num_params": self.d, "dataset_source": dataset.source,
             "algorithm_paper": self.alg.paper, "command": " ".join(sys.argv),
         }
-        partition = {"client_offsets": self.offsets, "client_indices": self.indices,
-                     "client_sizes": self.sizes, "public_indices": self.public,
-                     "class_counts": class_counts(_Partition(self.offsets, self.indices),
-                                                  dataset.train_y.numpy(), dataset.num_classes)}
+        partition = self.split.file_datasets(dataset.train_y.numpy(), dataset.num_classes)
         self.writer = ResultsWriter.create(
             cfg.output_path(), config=cfg.to_dict(), provenance=provenance,
             round_fields=ROUND_FIELDS + self._diagnostic_fields(),
@@ -208,7 +185,8 @@ class Experiment:
         wall = time.perf_counter()
         timers = {"compute": 0.0, "aggregate": 0.0, "eval": 0.0}
         x_before = self.state["x"].clone() if comm.is_server else None
-        sampled = sample_clients(cfg.seed, t, cfg.clients.num, cfg.clients.per_round) \
+        sampled = self.split.sample(sample_clients(cfg.seed, t, cfg.clients.num,
+                                                   cfg.clients.per_round), t) \
             if comm.is_server else None
         rows, fl = [], [0, 0]
         self.diagnostics = {}
@@ -291,8 +269,8 @@ class Experiment:
         mine = assignment[self.comm.worker_index] if self.comm.is_worker else []
         for c in np.asarray(mine).tolist():
             t0 = time.perf_counter()
-            data = self.data.client(self.indices[self.offsets[c]:self.offsets[c + 1]],
-                                    self.config.seed, ctx.round, c, p)
+            data = self.data.client(self.split.client(c), self.config.seed, ctx.round, c, p,
+                                    skew=self.split.skew(c))
             task = algorithms.ClientTask(client=c, data=data, model=self.flat, device=self.device,
                                          public=self._public_data(ctx.round, c, p))
             torch.manual_seed(key_seed(self.config.seed, "client", ctx.round, c, p))  # dropout
@@ -512,24 +490,6 @@ def _split(buf: torch.Tensor, spec, device) -> dict[str, torch.Tensor]:
         out[name] = buf[offset:offset + n]
         offset += n
     return out
-
-
-class _Partition:
-    """Adapter for ``class_counts`` over the broadcast (offsets, indices) arrays."""
-
-    def __init__(self, offsets, indices):
-        self.offsets, self.indices = offsets, indices
-
-    @property
-    def num_clients(self):
-        return len(self.offsets) - 1
-
-    def client(self, c):
-        return self.indices[self.offsets[c]:self.offsets[c + 1]]
-
-    @property
-    def sizes(self):
-        return np.diff(self.offsets)
 
 
 def _git_commit() -> str:
