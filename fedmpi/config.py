@@ -16,7 +16,7 @@ Sections of a TOML file (every key optional)::
     [algorithm]  name, + algorithm parameters (e.g. mu = 0.01)
     [train]      local_epochs, batch_size, lr, lr_decay, weight_decay, clip_norm, global_lr
     [eval]       every, batch_size
-    [system]     device, deterministic, threads
+    [system]     device, deterministic, threads, state_memory_mb, state_dir, checkpoint_every
 """
 
 from __future__ import annotations
@@ -106,6 +106,8 @@ class SystemConfig:
     threads: int = 0                   # torch threads per rank; 0 = cores / ranks on this node
     state_memory_mb: int = 4096        # client state kept in memory; past it, spilled to disk
     state_dir: str | None = None       # where spilled client state goes (default: a temp dir)
+    checkpoint_every: int = 10         # rounds between checkpoints in the results file; 0 = only
+                                       # on SIGUSR1/SIGTERM (preemption)
 
 
 @dataclass
@@ -238,7 +240,8 @@ def validate(c: ExperimentConfig) -> None:
                         ("train.clip_norm", c.train.clip_norm), ("system.threads", c.system.threads),
                         ("data.crop_padding", c.data.crop_padding),
                         ("data.public_size", c.data.public_size),
-                        ("system.state_memory_mb", c.system.state_memory_mb)):
+                        ("system.state_memory_mb", c.system.state_memory_mb),
+                        ("system.checkpoint_every", c.system.checkpoint_every)):
         _positive(name, value, allow_zero=True)
     if c.clients.per_round > c.clients.num:
         raise _fail("clients.per_round", f"{c.clients.per_round} exceeds clients.num = {c.clients.num}")

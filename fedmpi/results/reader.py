@@ -10,7 +10,7 @@ import numpy as np
 
 from fedmpi import __version__
 from fedmpi.errors import UsageError
-from fedmpi.results import schema
+from fedmpi.results import checkpoint, schema
 
 _GROUPS = ("partition", "rounds", "clients", "model")
 
@@ -88,6 +88,11 @@ class RunFile:
         vec = self.model(name)
         return {n: vec[off:off + int(np.prod(shape, dtype=np.int64))].reshape(shape)
                 for n, shape, off in self.layout()}
+
+    def checkpoint(self):
+        """The current checkpoint (``fedmpi.results.checkpoint.Checkpoint``) or None; valid
+        while this file is open."""
+        return checkpoint.read(self._file)
 
     def close(self) -> None:
         self._file.close()

@@ -20,7 +20,7 @@ import numpy as np
 
 from fedmpi import __version__
 from fedmpi.errors import UsageError
-from fedmpi.results import schema
+from fedmpi.results import checkpoint, schema
 
 
 class ResultsWriter:
@@ -66,6 +66,31 @@ class ResultsWriter:
             h5file.close()
             raise
         return cls(h5file, path, n_params)
+
+    @classmethod
+    def resume(cls, path, completed_rounds: int, **attrs) -> "ResultsWriter":
+        """Reopen a run's file to continue after ``completed_rounds`` (its checkpoint):
+        rows of later rounds, written before the run stopped, are cut so that the
+        resumed rounds replace them; ``attrs`` (e.g. the resume history) are set."""
+        path = Path(path)
+        h5file = _reopen(path)
+        try:
+            checkpoint.truncate(h5file, completed_rounds)
+            _check_not_reserved("resume attrs", attrs)
+            _set_attrs(h5file, {"status": "running", **attrs})
+            n_params = int(h5file["model/layout/sizes"][()].sum())
+            h5file.flush()
+            h5file.swmr_mode = True
+        except BaseException:
+            h5file.close()
+            raise
+        return cls(h5file, path, n_params)
+
+    def write_checkpoint(self, completed_rounds: int, server: dict[str, np.ndarray], clients,
+                         client_sizes: dict[str, int], num_clients: int) -> None:
+        """Store the state to continue from after ``completed_rounds`` (see ``checkpoint``)."""
+        with self.edit() as h5file:
+            checkpoint.write(h5file, completed_rounds, server, clients, client_sizes, num_clients)
 
     def append_round(self, row: dict[str, float]) -> None:
         """One row per round; fields left out read back as NaN (or -1 for int fields).

@@ -20,10 +20,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +38,7 @@ from ..errors import UsageError
 from ..evaluation import chunks_of, combine, evaluate_chunks
 from ..flat import FlatModel
 from ..models import build_model
-from ..results import ResultsWriter
+from ..results import ResultsWriter, RunFile
 from .clientdata import DeviceData
 from .federation import federate
 from .plan import place, sample_clients
@@ -57,17 +60,28 @@ _ROW = ["client", "rank", "n_samples", "steps", "train_loss", "update_norm", "se
 WIRE_BYTES = 4  # float32 on the simulated wire
 
 
+EXIT_PREEMPTED = 75  # sysexits EX_TEMPFAIL: checkpointed on a signal, resume to continue
+_DIVERGED, _PREEMPTED = "diverged", "preempted"
+
+
 class StopRun(Exception):
-    """The server told every rank to stop (divergence)."""
+    """The server told every rank to stop: divergence, or a preemption signal."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
 
 
 class Experiment:
-    def __init__(self, config, comm, *, force: bool = False, quiet: bool = False):
+    def __init__(self, config, comm, *, force: bool = False, quiet: bool = False,
+                 resume: bool = False):
         self.config, self.comm = config, comm
-        self.force, self.quiet = force, quiet
+        self.force, self.quiet, self.resume = force, quiet, resume
         self.alg = algorithms.build(config.algorithm.name, config.algorithm.params)
         self.writer = None
-        self.stop = False
+        self.stop = None     # why the server stops the run: _DIVERGED or _PREEMPTED
+        self.signalled = False   # this rank got SIGUSR1/SIGTERM (set by the handler)
+        self.start = 0       # first round to run (after a checkpoint's completed rounds)
         self.ready = False   # setup done: from here an error may be one rank's alone
 
     # ---- setup ------------------------------------------------------------------------
@@ -93,7 +107,11 @@ class Experiment:
             self.store = ClientStateStore(self.alg.client_state_sizes(self.d),
                                           memory_bytes=cfg.system.state_memory_mb * 2 ** 20,
                                           directory=cfg.system.state_dir)
-            self._create_file(dataset, ranks)
+            if self.resume:
+                self._resume_file(dataset, ranks)
+            else:
+                self._create_file(dataset, ranks)
+        self.start = comm.bcast_obj(self.start)
 
     def _partition(self, dataset) -> None:
         """Computed once on the server from the seed, broadcast (see `federate`)."""
@@ -134,6 +152,38 @@ class Experiment:
             client_fields=self._client_fields(), rank_fields=RANK_FIELDS,
             layout=self.flat.layout_rows(), partition=partition, force=self.force)
 
+    def _resume_file(self, dataset, ranks) -> None:
+        """Continue the file's run: state from its checkpoint (or round 0 without one)."""
+        path = self.config.output_path()
+        with RunFile(path) as run:
+            stored = run.partition()
+            ckpt = run.checkpoint()
+            if ckpt is not None:
+                self._load_checkpoint(ckpt)
+            history = list(run.attrs.get("resumes", []))
+        if not np.array_equal(stored["client_offsets"], self.split.offsets) or \
+                not np.array_equal(stored["client_indices"], self.split.indices):
+            raise UsageError(f"--resume {path}: this fedmpi computes a different client partition "
+                             f"from the file's config (was the code changed?)")
+        history.append({"round": self.start, "world_size": self.comm.size,
+                        "git_commit": _git_commit(), "ranks": ranks})
+        self.writer = ResultsWriter.resume(path, self.start, resumes=history, error="")
+
+    def _load_checkpoint(self, ckpt) -> None:
+        missing = sorted(set(self.state) - set(ckpt.server))
+        if missing:
+            raise UsageError(f"checkpoint lacks server state {missing} of algorithm "
+                             f"{self.config.algorithm.name!r}")
+        self.state = {k: torch.from_numpy(np.array(v)) for k, v in ckpt.server.items()}
+        self.store.load_state_dict(ckpt.states())
+        self.start = ckpt.round
+
+    def _checkpoint(self, completed: int) -> None:
+        """Server: global and client state after ``completed`` rounds, into the file."""
+        server = {k: v.detach().cpu().numpy() for k, v in self.state.items()}
+        self.writer.write_checkpoint(completed, server, self.store.items(),
+                                     self.alg.client_state_sizes(self.d), self.split.num_identities)
+
     def _diagnostic_fields(self) -> list[str]:
         return list(self.alg.diagnostic_fields)
 
@@ -141,26 +191,32 @@ class Experiment:
     def run(self) -> Path | None:
         """Set up and run every round; returns the results path on the server."""
         try:
-            self.setup()
-            self.ready = True
-            for t in range(self.config.rounds):
-                self._round(t)
-        except StopRun:
-            pass
+            with _preemption_signals(self):
+                self.setup()
+                self.ready = True
+                for t in range(self.start, self.config.rounds):
+                    self._round(t)
+        except StopRun as stop:
+            self.stop = stop.reason
         except BaseException as exc:
             self._fail(exc)
             raise
         if not self.comm.is_server:
             return None
-        if not self.stop:
+        if self.stop is None:
             self.writer.write_model(self.flat.canonical(self.state["x"]).numpy())
             self.writer.set_status("completed")
         self.writer.close()
+        self.store.close()
         return self.config.output_path()
 
     @property
     def diverged(self) -> bool:
-        return self.stop
+        return self.stop == _DIVERGED
+
+    @property
+    def preempted(self) -> bool:
+        return self.stop == _PREEMPTED
 
     def _fail(self, exc: BaseException) -> None:
         if getattr(self, "store", None) is not None:
@@ -238,7 +294,7 @@ class Experiment:
             buf = torch.cat([v.reshape(-1).to(torch.float32) for v in payload.values()])
         stop, participants, assignment, spec = comm.bcast_obj(head)
         if stop:
-            raise StopRun
+            raise StopRun(stop)
         if buf is None:
             buf = torch.empty(sum(n for _, n in spec), dtype=torch.float32)
         comm.bcast(buf)
@@ -372,9 +428,10 @@ class Experiment:
 
     # ---- bookkeeping ----------------------------------------------------------------------
     def _rank_stats(self, timers) -> list[float]:
+        """RANK_FIELDS[2:] of this rank, then whether it was signalled (not a column)."""
         ledger = self.comm.ledger.take()
         return [ledger.sent, ledger.received, timers["compute"], ledger.idle_seconds,
-                ledger.comm_seconds]
+                ledger.comm_seconds, float(self.signalled)]
 
     def _round_row(self, t, wall, timers, stats, rows, fl, acc, test_loss, x_before) -> dict:
         stats = np.asarray(stats)
@@ -404,13 +461,27 @@ class Experiment:
             self.writer.append_clients({"round": np.full(len(gathered["client"]), t + 1),
                                         **self._client_columns(gathered)})
         self.writer.flush()  # one flush per round: every completed round is on disk
+        # Workers learn of a stop from the next round's plan; the file keeps every round.
         if not (math.isfinite(row["train_loss"]) and bool(torch.isfinite(self.state["x"]).all())):
-            # Workers learn it from the next round's plan; the file keeps every round.
             self.writer.set_status("failed", error=f"diverged at round {t}", failed_round=t)
-            self.stop = True
+            self.stop = _DIVERGED
             print(f"fedmpi: training diverged at round {t} (NaN/Inf loss or parameters)",
                   file=sys.stderr, flush=True)
+        elif t + 1 < self.config.rounds:
+            self._maybe_checkpoint(t + 1, signalled=bool(np.asarray(stats)[:, -1].any()))
         self._progress(t, row)
+
+    def _maybe_checkpoint(self, completed: int, signalled: bool) -> None:
+        every = self.config.system.checkpoint_every
+        if signalled or (every and completed % every == 0):
+            self._checkpoint(completed)
+        if signalled:
+            self.writer.set_status("interrupted", error="preempted (SIGUSR1/SIGTERM)",
+                                   interrupted_round=completed)
+            self.stop = _PREEMPTED
+            print(f"fedmpi: signal received; checkpointed after round {completed}, exiting with "
+                  f"{EXIT_PREEMPTED} (resume with: fedmpi run --resume {self.config.output_path()})",
+                  file=sys.stderr, flush=True)
 
     def _client_fields(self) -> list[str]:
         fields = []
@@ -490,6 +561,24 @@ def _split(buf: torch.Tensor, spec, device) -> dict[str, torch.Tensor]:
         out[name] = buf[offset:offset + n]
         offset += n
     return out
+
+
+@contextmanager
+def _preemption_signals(experiment: "Experiment"):
+    """SIGUSR1 (SLURM --signal) and SIGTERM ask for a checkpoint at the next round
+    boundary; a handler only sets a flag, the round loop does the rest."""
+    def handler(signum, frame):
+        experiment.signalled = True
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGUSR1, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def _git_commit() -> str:
