@@ -111,6 +111,8 @@ class Experiment:
                 self._resume_file(dataset, ranks)
             else:
                 self._create_file(dataset, ranks)
+            if not self.quiet:
+                print(rank_table(ranks), flush=True)
         self.start = comm.bcast_obj(self.start)
 
     def _partition(self, dataset) -> None:
@@ -561,6 +563,16 @@ def _split(buf: torch.Tensor, spec, device) -> dict[str, torch.Tensor]:
         out[name] = buf[offset:offset + n]
         offset += n
     return out
+
+
+def rank_table(ranks: list[dict]) -> str:
+    """Which rank runs where, on which device: printed at start (also in the file's
+    ``ranks`` attribute)."""
+    lines = [f"{'rank':>4}  {'role':<6}  {'host':<20}  {'device':<8}  threads"]
+    for r in ranks:
+        role = "server" if r["rank"] == 0 and len(ranks) > 1 else ("both" if len(ranks) == 1 else "worker")
+        lines.append(f"{r['rank']:>4}  {role:<6}  {r['host'][:20]:<20}  {r['device']:<8}  {r['threads']}")
+    return "\n".join(lines)
 
 
 @contextmanager

@@ -33,7 +33,23 @@ def local_rank_info() -> tuple[int, int]:
                                ("MPI_LOCALRANKID", "MPI_LOCALNRANKS")):
         if os.environ.get(rank_var, "").isdigit() and os.environ.get(size_var, "").isdigit():
             return int(os.environ[rank_var]), int(os.environ[size_var])
+    if os.environ.get("SLURM_LOCALID", "").isdigit():  # srun without --ntasks-per-node
+        return int(os.environ["SLURM_LOCALID"]), _slurm_tasks_on_node()
     return 0, 1
+
+
+def _slurm_tasks_on_node() -> int:
+    """This node's task count from SLURM_STEP_TASKS_PER_NODE, e.g. "3(x2),1" -> 3 on the
+    first nodes; SLURM_NODEID says which entry is ours."""
+    spec = os.environ.get("SLURM_STEP_TASKS_PER_NODE") or os.environ.get("SLURM_TASKS_PER_NODE", "")
+    counts = []
+    for part in filter(None, spec.split(",")):
+        count, _, repeat = part.partition("(x")
+        if not count.isdigit():
+            return 1
+        counts += [int(count)] * (int(repeat.rstrip(")")) if repeat else 1)
+    node = int(os.environ.get("SLURM_NODEID", "0") or 0)
+    return counts[node] if node < len(counts) else 1
 
 
 def choose_threads(requested: int, deterministic: bool, is_worker: bool, world_size: int) -> int:
