@@ -146,3 +146,19 @@ def test_water_fill_matches_one_at_a_time_from_the_largest():
         for _ in range(total):
             reference[len(sizes) - 1 - np.argmax(reference[::-1])] -= 1
         assert np.array_equal(sizes - _water_fill(sizes, total), reference)
+
+
+def test_default_dirichlet_is_unchanged_by_the_fixed_size_options():
+    """Golden values from before `balanced`/`quantity_alpha` existed: results files depend on them."""
+    p = dirichlet(LABELS, 8, 0.3, seed=11, min_size=300)
+    assert p.sizes.tolist() == [482, 415, 722, 300, 555, 333, 966, 1227]
+    assert p.client(3)[:6].tolist() == [7, 21, 23, 36, 125, 136]
+    assert int(p.indices[::97].sum()) == 121176
+    q = make_partition("dirichlet", LABELS, 8, seed=11, alpha=0.3, min_size=300,
+                       balanced=False, quantity_alpha=None)
+    assert np.array_equal(p.indices, q.indices) and np.array_equal(p.offsets, q.offsets)
+
+
+def test_make_partition_lists_every_kind():
+    with pytest.raises(UsageError, match="allowed: iid, dirichlet, pathological, quantity, natural$"):
+        make_partition("shards", LABELS, 10, seed=1)
