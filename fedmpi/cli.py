@@ -66,24 +66,56 @@ def _toml_string(text: str) -> str:
 @_config_options
 @click.option("-o", "--output", metavar="PATH", help="Results file (same as --set output=PATH).")
 @click.option("--force", is_flag=True, help="Overwrite an existing results file.")
+@click.option("--resume", "resume_file", metavar="FILE", type=click.Path(dir_okay=False),
+              help="Continue the run in FILE from its last checkpoint (config from the file).")
 @click.option("-q", "--quiet", is_flag=True, help="No per-round progress lines.")
 @one_line_errors
-def run(config_file, preset, overrides, output, force, quiet):
-    """Run an experiment: CONFIG_FILE (TOML) or --preset, single process or under mpirun."""
-    config = _resolve(config_file, preset, overrides, output)
-    path = config.output_path()
-    if path.exists() and not force:
-        raise UsageError(f"results file {path} exists; pass --force to overwrite it "
-                         f"or choose another with -o/--output")
-    from .runtime import run_experiment
+def run(config_file, preset, overrides, output, force, resume_file, quiet):
+    """Run an experiment: CONFIG_FILE (TOML) or --preset, single process or under mpirun.
 
-    experiment = run_experiment(config, force=force, quiet=quiet)
+    Exit codes: 0 done, 1 diverged or crashed, 2 bad input, 75 checkpointed on
+    SIGUSR1/SIGTERM (preemption): run again with --resume FILE to continue.
+    """
+    from .runtime import EXIT_PREEMPTED, run_experiment
+
+    if resume_file:
+        config = _resume_config(resume_file, config_file or preset or overrides or output or force)
+        if config is None:
+            return
+    else:
+        config = _resolve(config_file, preset, overrides, output)
+        path = config.output_path()
+        if path.exists() and not force:
+            raise UsageError(f"results file {path} exists; pass --force to overwrite it, "
+                             f"--resume {path} to continue it, or choose another with -o/--output")
+    path = config.output_path()
+    experiment = run_experiment(config, force=force, quiet=quiet, resume=bool(resume_file))
+    if experiment.preempted:
+        sys.exit(EXIT_PREEMPTED)
     if experiment.comm.is_server:
         if experiment.diverged:
             click.echo(f"fedmpi: run diverged; results so far in {path}", err=True)
             sys.exit(EXIT_FAILED)
         if not quiet:
             click.echo(f"results: {path}")
+
+
+def _resume_config(path, other_arguments):
+    """The config of the run in ``path``, writing to ``path``; None if it already completed."""
+    from .config import from_dict
+    from .results import RunFile
+
+    if other_arguments:
+        raise UsageError("--resume FILE takes the config from FILE: drop the config file, "
+                         "--preset, --set, -o and --force")
+    with RunFile(path) as run:
+        status, values = run.status, run.config
+    if status == "completed":
+        if _launcher_rank() == 0:
+            click.echo(f"{path}: run already completed; nothing to resume")
+        return None
+    values["output"] = str(path).replace("{", "{{").replace("}", "}}")
+    return from_dict(values)
 
 
 @main.command("config")
@@ -122,6 +154,34 @@ def algorithms():
             click.echo(f"    algorithm.{field} = {default!r}    {help_text}")
         if not rows:
             click.echo("    (no parameters)")
+
+
+@main.command()
+@click.option("--data-dir", metavar="DIR", help="Also look here (the config field data.data_dir).")
+@one_line_errors
+def datasets(data_dir):
+    """List the datasets: found or not, where, and how to get a missing one."""
+    from .data.sources import DATASET_HINTS, available_datasets
+
+    elsewhere = dict(available_datasets(None)) if data_dir else {}  # found without --data-dir
+    for name, where in available_datasets(data_dir):
+        status, detail = ("found", where) if where else ("not found", DATASET_HINTS[name])
+        if not where and elsewhere.get(name):
+            detail = f"not in {data_dir}; without --data-dir: {elsewhere[name]}"
+        click.echo(f"{name:<14} {status:<9}  {detail}")
+
+
+@main.command()
+@_config_options
+@click.option("--plot", metavar="PNG", type=click.Path(dir_okay=False),
+              help="Also draw the client x class heatmap into this PNG file.")
+@one_line_errors
+def partition(config_file, preset, overrides, plot):
+    """Preview a config's client split without training: sizes, classes per client,
+    label-skew scores, feature skew and population; the same split a run would use."""
+    from .preview import preview
+
+    click.echo(preview(_resolve(config_file, preset, overrides), plot=plot))
 
 
 @main.command()

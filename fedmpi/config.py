@@ -34,7 +34,8 @@ from .errors import UsageError
 
 @dataclass
 class DataConfig:
-    dataset: str = "mnist5k"           # synthetic | mnist5k | fashion_mnist | mnist | cifar10 | cifar100
+    dataset: str = "mnist5k"           # see `fedmpi datasets`: synthetic | mnist5k | fashion_mnist |
+                                       # mnist | cifar10 | cifar100 | tiny_imagenet | shakespeare
     data_dir: str | None = None        # where the dataset's files are (some sources find their own)
     augment: bool = False              # random crop with padding + horizontal flip, on the device
     crop_padding: int = 4
@@ -249,6 +250,7 @@ def validate(c: ExperimentConfig) -> None:
     _validate_device(c.system.device)
     _one_of("data.public_from", c.data.public_from, {"train", "test"})
     _validate_skew(c)
+    _validate_modality(c)
     c.partition.params = partition_params(c.partition.kind, c.partition.params)
     check_dataset_options(c.data.dataset, c.data.options)
     # Resolved = every parameter written out, so the results file says what actually ran.
@@ -274,6 +276,22 @@ def _validate_skew(c: ExperimentConfig) -> None:
     if (cl.replace_prob > 0) != (cl.replace_every > 0):
         raise _fail("clients.replace_prob", "a dynamic population needs both clients.replace_prob "
                     "> 0 and clients.replace_every > 0 (rounds between replacements)")
+
+
+def _validate_modality(c: ExperimentConfig) -> None:
+    """Text data (Shakespeare) takes the LSTM and no image transforms; images the rest."""
+    from .data.sources import dataset_modality
+    from .models import check_model_for_data
+
+    modality = dataset_modality(c.data.dataset)
+    check_model_for_data(c.model.name, modality)
+    if modality != "text":
+        return
+    for name, value in (("data.augment", c.data.augment), ("partition.noise", c.partition.noise),
+                        ("partition.brightness", c.partition.brightness),
+                        ("partition.saturation", c.partition.saturation)):
+        if value:
+            raise _fail(name, f"is an image transform; dataset {c.data.dataset!r} is text")
 
 
 def _validate_device(device: str) -> None:
@@ -323,7 +341,15 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.strip().split("."), value
 
 
+# The key that chooses what an open section's extra keys mean: changing it on the command
+# line drops the extras that came from the file or preset (they belonged to the old choice).
+_SELECTORS = {"partition": "kind", "algorithm": "name", "model": "name", "data": "dataset"}
+
+
 def apply_overrides(values: dict, overrides: list[str]) -> dict:
+    """``--set`` on top of ``values``. ``--set partition.kind=pathological`` on a preset
+    with ``alpha`` drops that alpha (and likewise algorithm, model and dataset parameters);
+    parameters given by other ``--set``s are kept."""
     values = copy.deepcopy(values)
     for text in overrides:
         path, value = parse_override(text)
@@ -332,8 +358,18 @@ def apply_overrides(values: dict, overrides: list[str]) -> dict:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise UsageError(f"--set {text!r}: {part} is not a section")
+        if len(path) == 2 and _SELECTORS.get(path[0]) == path[1] and node.get(path[1]) != value:
+            _drop_extras(path[0], node, overrides)
         node[path[-1]] = value
     return values
+
+
+def _drop_extras(section: str, node: dict, overrides: list[str]) -> None:
+    cls = get_type_hints(ExperimentConfig)[section]
+    fixed = {f.name for f in dataclasses.fields(cls)}
+    given = {p[1] for p in (parse_override(t)[0] for t in overrides) if len(p) == 2 and p[0] == section}
+    for key in [k for k in node if k not in fixed and k not in given]:
+        del node[key]
 
 
 def resolve(path: str | None = None, preset: str | None = None,

