@@ -184,14 +184,11 @@ def partition(config_file, preset, overrides, plot):
     click.echo(preview(_resolve(config_file, preset, overrides), plot=plot))
 
 
-@main.command()
-@click.argument("files", nargs=-1, required=True, type=click.Path())
-@one_line_errors
-def report(files):
-    """Summarise results files: config, accuracy, traffic, time per round."""
-    from .report import summarize
+# Offline analysis (fedmpi.analysis): paper-style tables, figures, following a live run.
+from .analysis.cli import plot, report, watch  # noqa: E402  (they import cli lazily)
 
-    click.echo("\n\n".join(summarize(f) for f in files))
+for _command in (report, plot, watch):
+    main.add_command(_command)
 
 
 if __name__ == "__main__":

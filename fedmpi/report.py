@@ -1,7 +1,14 @@
-"""A short plain-text summary of one run, read from its results file.
+"""What `fedmpi report` prints: one run's summary, or a paper-style table of many.
 
-Config keys are read defensively: files from older or partial configs still summarize,
-showing only what they record.
+``summarize(path)``: a short plain-text summary of one run. Config keys are read
+defensively: files from older or partial configs still summarize, showing only what
+they record.
+
+``report_table(runs, ...)``: runs grouped by config keys (seeds averaged) as in the
+seed papers' tables: accuracy at chosen rounds, final and best accuracy, rounds to
+target accuracies, FL traffic, wall time and FNR-FL's kappa and rho, each as
+mean ± std over the group's runs. The numbers come from ``fedmpi.analysis``; this
+module only chooses and lays out columns.
 """
 
 from __future__ import annotations
@@ -10,6 +17,11 @@ import math
 
 import numpy as np
 
+from fedmpi.analysis import render
+from fedmpi.analysis.metrics import target_name
+from fedmpi.analysis.runs import get_key
+from fedmpi.analysis.tables import group_keys, group_table
+from fedmpi.errors import UsageError
 from fedmpi.results import open_run
 
 _WIDTH = 13  # label column
@@ -30,16 +42,6 @@ def summarize(path) -> str:
     return "\n".join(f"{label:<{_WIDTH}}{text}" for label, text in lines)
 
 
-def _get(config: dict, dotted: str):
-    """config["a"]["b"] for "a.b", or None when any level is absent or not a dict."""
-    value = config
-    for key in dotted.split("."):
-        if not isinstance(value, dict):
-            return None
-        value = value.get(key)
-    return value
-
-
 def _status(attrs: dict) -> str:
     text = str(attrs.get("status", "unknown"))
     if attrs.get("failed_round") is not None:
@@ -54,12 +56,12 @@ def _experiment(config: dict) -> list[tuple[str, str]]:
     """Algorithm, data + partition, model, client counts: whichever the config has."""
     lines = []
     for label, key in (("algorithm", "algorithm.name"), ("dataset", "data.dataset"), ("model", "model.name")):
-        if _get(config, key) is not None:
-            lines.append((label, str(_get(config, key))))
-    kind, alpha = _get(config, "partition.kind"), _get(config, "partition.alpha")
+        if get_key(config, key) is not None:
+            lines.append((label, str(get_key(config, key))))
+    kind, alpha = get_key(config, "partition.kind"), get_key(config, "partition.alpha")
     if kind is not None:
         lines.append(("partition", f"{kind} (alpha={alpha})" if alpha is not None and kind == "dirichlet" else str(kind)))
-    clients, per_round = _get(config, "clients.num"), _get(config, "clients.per_round")
+    clients, per_round = get_key(config, "clients.num"), get_key(config, "clients.per_round")
     parts = [f"{clients} total" if clients is not None else None,
              f"{per_round} per round" if per_round is not None else None]
     if any(parts):
@@ -69,7 +71,7 @@ def _experiment(config: dict) -> list[tuple[str, str]]:
 
 def _progress(rounds: dict, config: dict) -> str:
     done = len(next(iter(rounds.values()), []))
-    planned = _get(config, "rounds")
+    planned = get_key(config, "rounds")
     return f"{done} of {planned} completed" if planned is not None else f"{done} completed"
 
 
@@ -139,3 +141,94 @@ def _timing(rounds: dict) -> list[tuple[str, str]]:
         share = (lambda s: f" ({100 * s / wall:.0f}%)") if wall and math.isfinite(wall) else (lambda s: "")
         lines.append(("  split", ", ".join(f"{name} {sec:.3f} s{share(sec)}" for name, sec in parts)))
     return lines
+
+
+# --columns choices, in display order; acc needs --at, rounds needs --target.
+COLUMNS = ("acc", "final", "best", "rounds", "traffic", "time", "kappa", "rho")
+_NUMBER_COLUMNS = {"traffic": ("traffic_mb", "traffic MB"), "time": ("time_s", "time s"),
+                   "kappa": ("kappa", "kappa"), "rho": ("rho", "rho")}
+
+
+def report_table(runs, group_by=None, at=(), targets=(), smooth=None, columns=None,
+                 fmt: str = "text") -> str:
+    """Runs grouped by ``group_by`` (default: algorithm.name + the differing config keys),
+    each group's metrics as mean ± std over its runs, as text, csv or markdown."""
+    if fmt not in render.FORMATS:
+        raise UsageError(f"--format {fmt!r}: allowed are {', '.join(render.FORMATS)}")
+    keys = list(group_by) if group_by else group_keys(runs)
+    rows = group_table(runs, keys, at, targets, smooth)
+    chosen = _choose(columns, at, targets)
+    specs = _metric_specs(chosen, at, targets)
+    if fmt == "csv":
+        return render.csv_table(rows, keys + ["status", "n"] + [f for spec in specs for f in spec[2]])
+    show_status = any(row["status"] != "completed" for row in rows)
+    headers = [render.key_header(k, keys) for k in keys] + ["status"] * show_status + ["n"]
+    headers += [spec[0] for spec in specs]
+    cells = [[render.value(row[k]) for k in keys] + [row["status"]] * show_status
+             + [str(row["n"])] + [spec[1](row) for spec in specs] for row in rows]
+    layout = render.markdown_table if fmt == "markdown" else render.text_table
+    table = layout(headers, cells, left=len(keys) + show_status)
+    return table + "\n\n" + _notes(chosen, smooth, show_status)
+
+
+def _choose(columns, at, targets) -> list[str]:
+    """Chosen columns in display order; by default everything the options give numbers for."""
+    if not columns:
+        return [c for c in COLUMNS if (c != "acc" or at) and (c != "rounds" or targets)]
+    unknown = [c for c in columns if c not in COLUMNS]
+    if unknown:
+        raise UsageError(f"--columns: unknown column {unknown[0]!r}; allowed: {', '.join(COLUMNS)}")
+    if "acc" in columns and not at:
+        raise UsageError("--columns acc needs --at ROUND (accuracy at that round)")
+    if "rounds" in columns and not targets:
+        raise UsageError("--columns rounds needs --target ACC (rounds to reach that accuracy)")
+    return [c for c in COLUMNS if c in columns]
+
+
+def _metric_specs(chosen, at, targets) -> list[tuple]:
+    """(header, row -> display cell, raw CSV fields) per displayed column."""
+    specs = []
+    for name in chosen:
+        if name == "acc":
+            specs += [_acc_spec(f"acc@{r} %", f"acc@{r}") for r in at]
+        elif name in ("final", "best"):
+            specs.append(_acc_spec(f"{name} %", f"{name}_acc"))
+        elif name == "rounds":
+            specs += [_rounds_spec(t) for t in targets]
+        else:
+            field, header = _NUMBER_COLUMNS[name]
+            specs.append((header, lambda row, f=field: render.stat(row[f + "_mean"], row[f + "_std"]),
+                          [f"{field}_mean", f"{field}_std"]))
+    return specs
+
+
+def _acc_spec(header: str, field: str) -> tuple:
+    return (header, lambda row: render.stat(row[field + "_mean"], row[field + "_std"], percent=True),
+            [f"{field}_mean", f"{field}_std"])
+
+
+def _rounds_spec(target: float) -> tuple:
+    field = f"rounds_to_{target_name(target)}"
+    return (f"R@{100 * target:g}%",
+            lambda row: render.rounds_stat(row[field + "_mean"], row[field + "_std"],
+                                           row[field + "_reached"], row["n"]),
+            [f"{field}_mean", f"{field}_std", f"{field}_reached"])
+
+
+def _notes(chosen, smooth, show_status) -> str:
+    """What the numbers are, under the table (text and Markdown only)."""
+    acc = "test accuracy in %" + (f", EMA({smooth:g})-smoothed over evaluated rounds" if smooth else "")
+    notes = [f"mean ± std (sample std) over the n runs of a group; {acc}"]
+    if "rounds" in chosen:
+        notes.append("R@x: first round whose accuracy reaches x, "
+                     "mean over the runs that reached it (reached/n)")
+    units = [text for name, text in (("traffic", "traffic: FL MB (10^6 bytes) down + up"),
+                                     ("time", "time: sum of round wall times (s)"),
+                                     ("kappa", "kappa = acc*1e4/time"),
+                                     ("rho", "rho = acc*1e4/traffic")) if name in chosen]
+    if units:
+        ratio = " (FNR-FL; acc = final accuracy as a fraction)" if {"kappa", "rho"} & set(chosen) else ""
+        notes.append("; ".join(units) + ratio)
+    if show_status:
+        notes.append("runs that did not complete are grouped apart by their status")
+    return "\n".join(notes)

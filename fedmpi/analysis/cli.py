@@ -1,0 +1,193 @@
+"""Click commands over fedmpi.analysis: ``report``, ``plot``, ``watch``.
+
+``fedmpi/cli.py`` registers them (``main.add_command(report)`` ...); until then, and
+for debugging, ``python -m fedmpi.analysis.cli report ...`` runs the same commands.
+Options are taken as text and checked here, so every bad value is the usual one-line
+``fedmpi: ...`` message with exit code 2, like the rest of fedmpi.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import sys
+import warnings
+
+import click
+
+from fedmpi.errors import UsageError
+
+
+def _one_line_errors(command):
+    """fedmpi.cli.one_line_errors, imported when called: cli.py imports this module."""
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        from fedmpi.cli import one_line_errors
+        return one_line_errors(command)(*args, **kwargs)
+    return wrapper
+
+
+def _sources(command):
+    command = click.option("--strict", is_flag=True,
+                           help="Stop at a file in a directory/glob that is not a fedmpi results "
+                                "file (default: skip it with a warning).")(command)
+    return click.argument("sources", nargs=-1, required=True, metavar="FILES_OR_DIRS...")(command)
+
+
+def _grouping(command):
+    command = click.option("--smooth", metavar="BETA",
+                           help="Use the EMA of the accuracy curve, e.g. 0.9 (as FedACG reports).")(command)
+    return click.option("-g", "--group-by", multiple=True, metavar="KEY",
+                        help="Config key to group runs by, e.g. partition.alpha (repeatable).")(command)
+
+
+@click.command()
+@_sources
+@_grouping
+@click.option("--at", multiple=True, metavar="ROUND", help="Accuracy at this round (repeatable).")
+@click.option("--target", multiple=True, metavar="ACC",
+              help="Rounds to reach this accuracy: 0.8 or 80% (repeatable).")
+@click.option("--format", "fmt", metavar="text|csv|markdown", help="Output format (default text).")
+@click.option("--columns", multiple=True, metavar="LIST",
+              help="Columns to show, comma-separated: acc,final,best,rounds,traffic,time,kappa,rho.")
+@click.option("--completed-only", is_flag=True, help="Leave out runs that did not complete.")
+@click.option("--summary", is_flag=True, help="A summary per run instead of a table.")
+@_one_line_errors
+def report(sources, strict, group_by, smooth, at, target, fmt, columns, completed_only, summary):
+    """Summarise one run, or tabulate many grouped by config (mean ± std over seeds).
+
+    One results file and no table options: the run's summary. Otherwise one row per
+    group of runs (default: algorithm.name plus every config key that differs between
+    the runs, seed excepted), with accuracy at --at rounds, final and best accuracy,
+    rounds to --target accuracies, FL traffic (MB), wall time, kappa and rho.
+    """
+    from fedmpi.report import report_table, summarize
+
+    runs = load_runs(sources, strict, completed_only)
+    table_options = group_by or at or target or smooth or fmt or columns
+    if summary or (len(runs) == 1 and not table_options):
+        click.echo("\n\n".join(summarize(run.path) for run in runs))
+        return
+    click.echo(report_table(runs, group_by=list(group_by), at=parse_rounds(at), targets=parse_targets(target),
+                            smooth=parse_smooth(smooth), columns=parse_columns(columns), fmt=fmt or "text"),
+               nl=fmt != "csv")
+
+
+@click.command()
+@_sources
+@_grouping
+@click.option("-o", "--output", metavar="FILE", help="Figure file: .png (or .pdf, .svg).")
+@click.option("--x", "x_axis", default="round", metavar="round|traffic|time",
+              help="x axis: round, cumulative FL traffic (MB) or wall time (s); default round.")
+@click.option("--title", help="Figure title (default: the settings all runs share).")
+@_one_line_errors
+def plot(sources, strict, group_by, smooth, output, x_axis, title):
+    """Plot test accuracy of runs against rounds, FL traffic or wall time into one figure.
+
+    One line per run, or with --group-by one line per group (the mean, with a band of
+    ± one std over its runs).
+    """
+    from fedmpi.analysis.plot import save_plot
+
+    if not output:
+        raise UsageError("fedmpi plot needs -o FILE, e.g. -o fig.png")
+    runs = load_runs(sources, strict, False)
+    path = save_plot(runs, output, x=x_axis, group_by=list(group_by), smooth=parse_smooth(smooth),
+                     title=title)
+    click.echo(f"wrote {path}")
+
+
+@click.command()
+@click.argument("file")
+@click.option("--interval", default="2", metavar="SECONDS", help="Seconds between polls (default 2).")
+@click.option("--once", is_flag=True, help="Print the current state and exit.")
+@click.option("--wait", is_flag=True, help="Wait for FILE to appear (a job still queued).")
+@_one_line_errors
+def watch(file, interval, once, wait):
+    """Follow a running experiment's results file: a line per round until it ends.
+
+    Exit code: 0 completed (or still running, with --once), 1 failed, 75 interrupted
+    (preempted; `fedmpi run --resume FILE` continues it), 2 bad input.
+    """
+    from fedmpi.analysis.watch import watch as follow
+
+    seconds = parse_number("--interval", interval)
+    if not seconds > 0:
+        raise UsageError(f"--interval {interval}: seconds must be > 0")
+    try:
+        code = follow(file, interval=seconds, once=once, wait=wait, echo=click.echo)
+    except KeyboardInterrupt:
+        code = 130
+    sys.exit(code)
+
+
+def load_runs(sources, strict: bool, completed_only: bool):
+    """fedmpi.analysis.load with each skipped file reported on stderr, one line each."""
+    from fedmpi.analysis import SkippedFileWarning, load
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", SkippedFileWarning)
+        runs = load(list(sources), strict=strict)
+    for warning in caught:
+        click.echo(f"fedmpi: {warning.message}", err=True)
+    if completed_only:
+        runs = [run for run in runs if run.completed]
+        if not runs:
+            raise UsageError("--completed-only: none of the runs completed")
+    return runs
+
+
+def parse_number(option: str, text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise UsageError(f"{option} {text!r}: expected a number") from None
+
+
+def parse_rounds(values) -> list[int]:
+    out = []
+    for text in values:
+        if not text.strip().isdigit() or int(text) < 1:
+            raise UsageError(f"--at {text!r}: expected a round number >= 1")
+        out.append(int(text))
+    return out
+
+
+def parse_targets(values) -> list[float]:
+    """0.8 or 80%: accuracies are fractions in the files, percent in the papers."""
+    out = []
+    for text in values:
+        percent = text.strip().endswith("%")
+        number = parse_number("--target", text.strip().rstrip("%"))
+        target = number / 100 if percent else number
+        if not 0 < target <= 1 or (not percent and number > 1):
+            raise UsageError(f"--target {text!r}: give a fraction in (0, 1] such as 0.8, "
+                             "or a percentage such as 80%")
+        out.append(target)
+    return out
+
+
+def parse_smooth(text) -> float | None:
+    if text is None:
+        return None
+    beta = parse_number("--smooth", text)
+    if not 0 < beta < 1 or math.isnan(beta):
+        raise UsageError(f"--smooth {text}: the EMA factor must be in (0, 1), e.g. 0.9")
+    return beta
+
+
+def parse_columns(values) -> list[str]:
+    return [c.strip() for text in values for c in text.split(",") if c.strip()]
+
+
+@click.group()
+def commands():
+    """fedmpi's analysis commands (normally run as `fedmpi report|plot|watch`)."""
+
+
+commands.add_command(report)
+commands.add_command(plot)
+commands.add_command(watch)
+
+if __name__ == "__main__":
+    commands()

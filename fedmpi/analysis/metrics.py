@@ -1,0 +1,161 @@
+"""Numbers the seed papers report, computed from one run's round rows.
+
+Conventions (docs/analysis.md):
+
+- Accuracy is a fraction in [0, 1]: the file's ``test_acc``. Rounds without evaluation
+  hold NaN and are skipped; "the accuracy at round R" is the last evaluated value at or
+  before R.
+- ``smooth=0.9`` replaces the accuracy curve by its exponential moving average over the
+  evaluated rounds, ``s_1 = a_1``, ``s_k = 0.9 s_{k-1} + 0.1 a_k``: FedACG reports
+  accuracies smoothed this way. Every accuracy metric takes ``smooth``.
+- Traffic is FL traffic (what the simulated deployment sends), down + up over all rounds,
+  in MB = 10^6 bytes: FNR-FL's convention (its 8920 MB = 10 clients x 10 rounds x 2 x
+  44.6 MB of ResNet-18 float32 weights).
+- Wall time is the sum of the rounds' ``time_wall``: training time, without process
+  start-up, data loading and the gaps of a preempted and resumed run.
+- FNR-FL's efficiency ratios use the final (unsmoothed) accuracy as a fraction:
+  kappa = acc * 1e4 / time_s, rho = acc * 1e4 / traffic_MB (0.9976e4 / 6060 = 1.6462).
+
+Every function takes a ``Run`` or a plain dict of round columns (``RunFile.rounds()``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+MB = 1e6
+
+
+def _rounds(run) -> dict[str, np.ndarray]:
+    """A Run's rows, a RunFile's (a method there) or the dict of columns itself."""
+    rows = getattr(run, "rounds", run)
+    return rows() if callable(rows) else rows
+
+
+def ema(values, beta: float = 0.9) -> np.ndarray:
+    """Exponential moving average seeded with the first value (no bias correction)."""
+    values = np.asarray(values, dtype=np.float64)
+    out = np.empty_like(values)
+    level = None
+    for i, v in enumerate(values):
+        level = v if level is None else beta * level + (1 - beta) * v
+        out[i] = level
+    return out
+
+
+def accuracy_curve(run, smooth: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(rounds, accuracy) over the evaluated rounds only, EMA-smoothed if ``smooth``."""
+    rows = _rounds(run)
+    acc = np.asarray(rows.get("test_acc", ()), dtype=np.float64)
+    ids = np.asarray(rows.get("round", np.arange(1, len(acc) + 1)))
+    evaluated = np.isfinite(acc)
+    acc, ids = acc[evaluated], ids[evaluated]
+    return ids, (ema(acc, smooth) if smooth else acc)
+
+
+def accuracy_at(run, round: int, smooth: float | None = None) -> float:
+    """Last evaluated accuracy at or before ``round``; NaN if none, or if the run has
+    not reached ``round`` (a stopped run is not credited with rounds it never ran)."""
+    if round > last_round(run):
+        return math.nan
+    ids, acc = accuracy_curve(run, smooth)
+    upto = np.flatnonzero(ids <= round)
+    return float(acc[upto[-1]]) if len(upto) else math.nan
+
+
+def final_accuracy(run, smooth: float | None = None) -> float:
+    """The last evaluated accuracy (NaN if never evaluated)."""
+    _, acc = accuracy_curve(run, smooth)
+    return float(acc[-1]) if len(acc) else math.nan
+
+
+def best_accuracy(run, smooth: float | None = None) -> float:
+    """The highest evaluated accuracy (NaN if never evaluated)."""
+    _, acc = accuracy_curve(run, smooth)
+    return float(acc.max()) if len(acc) else math.nan
+
+
+def rounds_to(run, target: float, smooth: float | None = None) -> int | None:
+    """First round whose (smoothed) accuracy is >= ``target`` (a fraction); None if never."""
+    ids, acc = accuracy_curve(run, smooth)
+    hit = np.flatnonzero(acc >= target)
+    return int(ids[hit[0]]) if len(hit) else None
+
+
+def last_round(run) -> int:
+    """The last round recorded (0 when none)."""
+    ids = _rounds(run).get("round")
+    return int(ids[-1]) if ids is not None and len(ids) else 0
+
+
+def total_traffic_mb(run) -> float:
+    """FL bytes down + up over all rounds, in MB (10^6 bytes); NaN if never recorded."""
+    rows = _rounds(run)
+    columns = [rows[k] for k in ("fl_bytes_down", "fl_bytes_up") if k in rows]
+    if not any(np.any(np.isfinite(c)) for c in columns):
+        return math.nan
+    return float(sum(np.nansum(c) for c in columns)) / MB
+
+
+def cumulative_traffic_mb(run) -> np.ndarray:
+    """FL MB sent up to and including each round (one value per round row)."""
+    rows = _rounds(run)
+    n = len(rows.get("round", ()))
+    total = np.zeros(n)
+    for key in ("fl_bytes_down", "fl_bytes_up"):
+        if key in rows:
+            total += np.nan_to_num(rows[key], nan=0.0)
+    return np.cumsum(total) / MB
+
+
+def wall_time(run) -> float:
+    """Seconds: the sum of the rounds' wall times; NaN if never recorded."""
+    column = _rounds(run).get("time_wall")
+    if column is None or not np.any(np.isfinite(column)):
+        return math.nan
+    return float(np.nansum(column))
+
+
+def cumulative_time(run) -> np.ndarray:
+    """Wall seconds up to and including each round (one value per round row)."""
+    rows = _rounds(run)
+    column = rows.get("time_wall", np.full(len(rows.get("round", ())), np.nan))
+    return np.cumsum(np.nan_to_num(column, nan=0.0))
+
+
+def kappa(run) -> float:
+    """FNR-FL's time efficiency: final accuracy (fraction) * 1e4 / wall seconds."""
+    return _ratio(final_accuracy(run), wall_time(run))
+
+
+def rho(run) -> float:
+    """FNR-FL's traffic efficiency: final accuracy (fraction) * 1e4 / FL traffic in MB."""
+    return _ratio(final_accuracy(run), total_traffic_mb(run))
+
+
+def _ratio(acc: float, denominator: float) -> float:
+    if not math.isfinite(acc) or not math.isfinite(denominator) or denominator <= 0:
+        return math.nan
+    return acc * 1e4 / denominator
+
+
+def summary(run, at=(), targets=(), smooth: float | None = None) -> dict:
+    """Every per-run number in one flat dict (the columns of ``runs_table``).
+
+    Keys: rounds_done, final_acc, best_acc, acc@R per ``at``, rounds_to_T per ``targets``
+    (None if never reached), traffic_mb, time_s, kappa, rho.
+    """
+    out = {"rounds_done": last_round(run),
+           "final_acc": final_accuracy(run, smooth),
+           "best_acc": best_accuracy(run, smooth)}
+    out.update({f"acc@{r}": accuracy_at(run, r, smooth) for r in at})
+    out.update({f"rounds_to_{target_name(t)}": rounds_to(run, t, smooth) for t in targets})
+    out.update(traffic_mb=total_traffic_mb(run), time_s=wall_time(run), kappa=kappa(run), rho=rho(run))
+    return out
+
+
+def target_name(target: float) -> str:
+    """0.8 -> "0.8": the shortest exact spelling, used in column names."""
+    return f"{target:g}"

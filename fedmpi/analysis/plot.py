@@ -1,0 +1,157 @@
+"""Accuracy curves of many runs in one figure: against rounds, FL traffic or wall time.
+
+``plot_accuracy(runs, ax)`` draws into a matplotlib Axes a notebook already has;
+``save_plot(runs, path)`` makes a figure and writes it (PNG, PDF, SVG: by suffix).
+The figure is built on ``matplotlib.figure.Figure`` with the Agg canvas, never pyplot,
+so it neither needs a display nor changes a notebook's backend.
+
+One line per run, labelled by the config keys that differ between the runs (and the
+seed). With ``group_by``, one line per group: the mean over its runs with a shaded
+band of ± one std. Runs are aligned on round numbers: a group's point at round r
+averages each run's last evaluated accuracy at or before r, and its x is the mean of
+the runs' cumulative MB or seconds at r. Runs that did not complete are labelled with
+their status and never averaged with completed ones.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from fedmpi.analysis import metrics
+from fedmpi.analysis.render import key_header, value
+from fedmpi.analysis.tables import check_keys, differing_keys
+from fedmpi.errors import UsageError
+
+X_AXES = {"round": "round", "traffic": "cumulative FL traffic (MB)", "time": "wall time (s)"}
+
+
+def plot_accuracy(runs, ax, x: str = "round", group_by=None, smooth: float | None = None):
+    """Draw test accuracy (%) against ``x`` (round | traffic | time) into ``ax``."""
+    if x not in X_AXES:
+        raise UsageError(f"--x {x!r}: allowed are {', '.join(X_AXES)}")
+    if group_by:
+        keys = check_keys(runs, group_by, "--group-by")
+        for label, members in _groups(runs, keys):
+            xs, mean, std = _mean_curve(members, x, smooth)
+            (line,) = ax.plot(xs, 100 * mean, label=f"{label} (n={len(members)})", **_style(xs))
+            if len(members) > 1:
+                ax.fill_between(xs, 100 * (mean - std), 100 * (mean + std), color=line.get_color(),
+                                alpha=0.2, linewidth=0)
+    else:
+        keys = differing_keys(runs) + (["seed"] if len({r.get("seed") for r in runs}) > 1 else [])
+        for run in runs:
+            xs, acc = _curve(run, x, smooth)
+            ax.plot(xs, 100 * acc, label=_label(run, keys or ["algorithm.name"]), **_style(xs))
+    ax.set_xlabel(X_AXES[x])
+    ax.set_ylabel("test accuracy (%)" + (f", EMA({smooth:g})" if smooth else ""))
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    return ax
+
+
+def save_plot(runs, path, x: str = "round", group_by=None, smooth: float | None = None,
+              title: str | None = None) -> Path:
+    """Write the figure to ``path``; the format comes from its suffix (.png, .pdf, .svg)."""
+    figure, canvas = _figure()
+    path = Path(path)
+    formats = canvas.get_supported_filetypes()
+    if path.suffix.lstrip(".").lower() not in formats:
+        raise UsageError(f"plot file {path}: the name must end in a format matplotlib writes, "
+                         f"e.g. .png, .pdf, .svg (allowed: {', '.join(sorted(formats))})")
+    ax = figure.add_subplot()
+    plot_accuracy(runs, ax, x, group_by, smooth)
+    ax.set_title(title if title is not None else default_title(runs), fontsize="medium")
+    figure.tight_layout()
+    try:
+        figure.savefig(path)
+    except OSError as exc:
+        raise UsageError(f"plot file {path} cannot be written ({exc.strerror or exc})") from exc
+    return path
+
+
+def default_title(runs) -> str:
+    """The settings every run shares: dataset, model, partition, clients."""
+    parts = []
+    for key, fmt in (("data.dataset", "{}"), ("model.name", "{}"), ("partition.kind", "{}"),
+                     ("partition.alpha", "alpha={}"), ("clients.num", "{} clients"),
+                     ("clients.per_round", "{} per round")):
+        values = {value(r.get(key)) for r in runs}
+        if len(values) == 1 and runs[0].get(key) is not None:
+            parts.append(fmt.format(values.pop()))
+    return ", ".join(parts) or "test accuracy"
+
+
+def _figure():
+    """A pyplot-free figure on the Agg canvas; matplotlib is optional for fedmpi."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise UsageError("fedmpi plot needs matplotlib: pip install matplotlib") from exc
+    figure = Figure(figsize=(6.4, 4.4), dpi=120)
+    return figure, FigureCanvasAgg(figure)
+
+
+def _style(xs) -> dict:
+    """Markers while the evaluated points are few enough to tell apart."""
+    return {"marker": "o", "markersize": 3} if len(xs) <= 40 else {}
+
+
+def _label(run, keys: list[str]) -> str:
+    parts = [value(run.get(k)) if k == "algorithm.name" else f"{key_header(k, keys)}={value(run.get(k))}"
+             for k in keys]
+    status = "" if run.completed else f" [{run.status}]"
+    return ", ".join(parts) + status
+
+
+def _groups(runs, keys: list[str]) -> list[tuple[str, list]]:
+    """(label, runs) per distinct key values and status, in first-seen order."""
+    groups: dict[tuple, list] = {}
+    for run in runs:
+        groups.setdefault(tuple(value(run.get(k)) for k in keys) + (run.status,), []).append(run)
+    return [(_label(members[0], keys), members) for members in groups.values()]
+
+
+def _x_values(run, x: str) -> np.ndarray:
+    """x per round row: the round, cumulative FL MB, or cumulative wall seconds."""
+    if x == "traffic":
+        return metrics.cumulative_traffic_mb(run)
+    if x == "time":
+        return metrics.cumulative_time(run)
+    return np.asarray(run.rounds.get("round", ()), dtype=np.float64)
+
+
+def _curve(run, x: str, smooth) -> tuple[np.ndarray, np.ndarray]:
+    """(x, accuracy) at the evaluated rounds of one run."""
+    acc = np.asarray(run.rounds.get("test_acc", ()), dtype=np.float64)
+    evaluated = np.isfinite(acc)
+    _, curve = metrics.accuracy_curve(run, smooth)
+    return _x_values(run, x)[evaluated], curve
+
+
+def _mean_curve(runs, x: str, smooth) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Mean x, mean and std accuracy over runs on the union of their evaluated rounds."""
+    grid = np.unique(np.concatenate([metrics.accuracy_curve(r)[0] for r in runs]))
+    acc = np.array([[metrics.accuracy_at(r, int(g), smooth) for g in grid] for r in runs])
+    xs = np.array([_at_rounds(r, _x_values(r, x), grid) for r in runs])
+    ok = np.isfinite(acc).sum(axis=0) > 0
+    acc, xs, grid = acc[:, ok], xs[:, ok], grid[ok]
+    count = np.isfinite(acc).sum(axis=0)
+    mean = np.nansum(acc, axis=0) / count
+    spread = np.nansum((acc - mean) ** 2, axis=0) / np.maximum(count - 1, 1)
+    return _nanmean(xs), mean, np.sqrt(spread)
+
+
+def _at_rounds(run, values: np.ndarray, grid: np.ndarray) -> np.ndarray:
+    """values at the last row at or before each grid round; NaN before the first row."""
+    ids = np.asarray(run.rounds.get("round", ()))
+    pos = np.searchsorted(ids, grid, side="right") - 1
+    out = np.where(pos >= 0, values[np.clip(pos, 0, None)] if len(values) else np.nan, np.nan)
+    return np.where(grid > (ids[-1] if len(ids) else 0), np.nan, out)
+
+
+def _nanmean(xs: np.ndarray) -> np.ndarray:
+    count = np.isfinite(xs).sum(axis=0)
+    return np.where(count > 0, np.nansum(xs, axis=0) / np.maximum(count, 1), np.nan)
