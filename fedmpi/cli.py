@@ -76,6 +76,9 @@ def run(config_file, preset, overrides, output, force, resume_file, quiet):
     Exit codes: 0 done, 1 diverged or crashed, 2 bad input, 75 checkpointed on
     SIGUSR1/SIGTERM (preemption): run again with --resume FILE to continue.
     """
+    from . import signals
+
+    signals.install()  # before the heavy imports: a signal during start-up counts
     from .runtime import EXIT_PREEMPTED, run_experiment
 
     if resume_file:
@@ -186,8 +189,9 @@ def partition(config_file, preset, overrides, plot):
 
 # Offline analysis (fedmpi.analysis): paper-style tables, figures, following a live run.
 from .analysis.cli import plot, report, watch  # noqa: E402  (they import cli lazily)
+from .sweep_cli import sweep  # noqa: E402
 
-for _command in (report, plot, watch):
+for _command in (report, plot, watch, sweep):
     main.add_command(_command)
 
 

@@ -7,6 +7,9 @@
 # WORKERS defaults to the number of cores. Each worker gets cores/WORKERS torch threads
 # (fedmpi picks that itself); the server mostly sleeps, so oversubscribing by that one
 # rank is fine. As root, OpenMPI needs the two OMPI_ALLOW_RUN_AS_ROOT* variables.
+# Sweeps: run a cell (resumed or skipped if its file exists) the same way with
+#   mpirun -n 3 --oversubscribe --bind-to none fedmpi sweep s.toml --run-cell I
+# SLURM clusters: jobs/slurm/*.sbatch (jobs/README.md).
 set -euo pipefail
 config=${1:?usage: jobs/mpirun.sh CONFIG.toml [WORKERS] [fedmpi run options...]}
 shift

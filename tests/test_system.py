@@ -7,7 +7,7 @@ import torch
 from fedmpi.runtime.experiment import rank_table
 from fedmpi.runtime.system import choose_device, choose_threads, local_rank_info
 
-LAUNCHER_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_LOCALID",
+LAUNCHER_VARS = ("SLURM_CPUS_PER_TASK", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_LOCALID",
                  "SLURM_NTASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE",
                  "SLURM_NODEID", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
 
@@ -45,6 +45,16 @@ def test_threads_split_the_node_between_workers(env):
     assert choose_threads(0, False, True, 3) == max((os.cpu_count() or 1) // 2, 1)
     assert choose_threads(0, False, False, 3) == 1 and choose_threads(0, True, True, 3) == 1
     assert choose_threads(4, True, True, 3) == 4
+
+
+def test_threads_follow_slurm_cpus_per_task_and_the_affinity_mask(env):
+    import os
+    env.setenv("SLURM_CPUS_PER_TASK", "6")
+    assert choose_threads(0, False, True, 5) == 6
+    env.delenv("SLURM_CPUS_PER_TASK")
+    if hasattr(os, "sched_getaffinity") and (os.cpu_count() or 1) > 1:
+        env.setattr(os, "sched_getaffinity", lambda pid: {0})  # bound to one core
+        assert choose_threads(0, False, True, 3) == 1
 
 
 def test_device_choice_on_a_cpu_machine(env):

@@ -17,13 +17,10 @@ A round, numbered as in the code:
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import signal
 import subprocess
 import sys
-import threading
 import time
 import traceback
 from contextlib import contextmanager
@@ -32,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import __version__, algorithms
+from .. import __version__, algorithms, signals
 from ..data import load_dataset
 from ..errors import UsageError
 from ..evaluation import chunks_of, combine, evaluate_chunks
@@ -80,7 +77,6 @@ class Experiment:
         self.alg = algorithms.build(config.algorithm.name, config.algorithm.params)
         self.writer = None
         self.stop = None     # why the server stops the run: _DIVERGED or _PREEMPTED
-        self.signalled = False   # this rank got SIGUSR1/SIGTERM (set by the handler)
         self.start = 0       # first round to run (after a checkpoint's completed rounds)
         self.ready = False   # setup done: from here an error may be one rank's alone
 
@@ -141,8 +137,8 @@ class Experiment:
         cfg = self.config
         provenance = {
             "git_commit": _git_commit(), "world_size": self.comm.size,
-            "num_workers": self.comm.num_workers, "ranks": json.dumps(ranks),
-            "hostnames": json.dumps(sorted({r["host"] for r in ranks})),
+            "num_workers": self.comm.num_workers, "ranks": ranks,
+            "hostnames": sorted({r["host"] for r in ranks}),
             "seed": cfg.seed, "torch_version": torch.__version__, "python": sys.version.split()[0],
             "num_params": self.d, "dataset_source": dataset.source,
             "algorithm_paper": self.alg.paper, "command": " ".join(sys.argv),
@@ -193,7 +189,7 @@ class Experiment:
     def run(self) -> Path | None:
         """Set up and run every round; returns the results path on the server."""
         try:
-            with _preemption_signals(self):
+            with _preemption_signals():
                 self.setup()
                 self.ready = True
                 for t in range(self.start, self.config.rounds):
@@ -433,7 +429,7 @@ class Experiment:
         """RANK_FIELDS[2:] of this rank, then whether it was signalled (not a column)."""
         ledger = self.comm.ledger.take()
         return [ledger.sent, ledger.received, timers["compute"], ledger.idle_seconds,
-                ledger.comm_seconds, float(self.signalled)]
+                ledger.comm_seconds, float(signals.requested())]
 
     def _round_row(self, t, wall, timers, stats, rows, fl, acc, test_loss, x_before) -> dict:
         stats = np.asarray(stats)
@@ -576,21 +572,16 @@ def rank_table(ranks: list[dict]) -> str:
 
 
 @contextmanager
-def _preemption_signals(experiment: "Experiment"):
-    """SIGUSR1 (SLURM --signal) and SIGTERM ask for a checkpoint at the next round
-    boundary; a handler only sets a flag, the round loop does the rest."""
-    def handler(signum, frame):
-        experiment.signalled = True
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGUSR1, signal.SIGTERM)}
+def _preemption_signals():
+    """Listen for preemption while the experiment runs (``fedmpi run`` already does from
+    its start, so a signal during start-up counts); the request is cleared when the
+    experiment ends, so it never carries over to the next one in this process."""
+    previous = signals.install()
     try:
         yield
     finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
+        signals.restore(previous)
+        signals.clear()
 
 
 def _git_commit() -> str:

@@ -65,9 +65,23 @@ def choose_threads(requested: int, deterministic: bool, is_worker: bool, world_s
         return 1
     if not is_worker:
         return 1
+    if os.environ.get("SLURM_CPUS_PER_TASK", "").isdigit():  # the allocation's own answer
+        return max(int(os.environ["SLURM_CPUS_PER_TASK"]), 1)
+    usable = _usable_cores()
+    if usable < (os.cpu_count() or usable):
+        return usable  # the launcher bound this rank to its own cores
     _, local_size = local_rank_info()
     local_workers = max(local_size - (1 if world_size > 1 else 0), 1)
-    return max((os.cpu_count() or 1) // local_workers, 1)
+    return max(usable // local_workers, 1)
+
+
+def _usable_cores() -> int:
+    """Cores this process may run on (its affinity mask: a cgroup or binding may allow
+    fewer than the node has)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def choose_device(requested: str, is_worker: bool, rank: int) -> torch.device:

@@ -1,0 +1,172 @@
+"""The SLURM job templates, submitted to a real single-node SLURM on this machine.
+
+The cluster (tests/slurm.py) is installed if needed and started once per session; the
+jobs are tiny configs of 1 server + 1 or 2 workers on CPU. Each template is submitted
+with the options the README gives for CPU-only use (``--gres=none``); the default
+launcher is ``srun --mpi=pmix``, and the array test uses ``FEDMPI_LAUNCHER=mpirun`` so
+that both launch paths run for real.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+from fedmpi import sweep as sweeps
+from fedmpi.errors import UsageError
+from fedmpi.results import open_run
+from helpers import write_config
+from slurm import LocalSlurm, SlurmUnavailable, ensure_installed
+
+TEMPLATES = sorted((ROOT / "jobs/slurm").glob("*.sbatch"))
+BLOCK = re.compile(r"^# ==== fedmpi job block.*?^# ==== end of the fedmpi job block ====$", re.S | re.M)
+CPU = ["--gres=none", "--cpus-per-task=1"]
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    try:
+        ensure_installed()
+        local = LocalSlurm().start()
+    except SlurmUnavailable as exc:
+        pytest.skip(f"no local SLURM cluster: {exc}")
+    yield local
+    local.stop()
+
+
+@pytest.fixture(scope="session")
+def launcher(cluster):
+    """srun (the templates' default) when srun --mpi=pmix works here, else mpirun."""
+    reason = cluster.pmix_works()
+    if reason:
+        print(f"srun --mpi=pmix does not work here ({reason}); jobs use FEDMPI_LAUNCHER=mpirun")
+    return "mpirun" if reason else "srun"
+
+
+def submit(cluster, template: str, args: list[str], tmp_path: Path, sbatch_options=(),
+           launcher: str = "srun") -> str:
+    """sbatch a template from tmp_path with this checkout's fedmpi on PATH."""
+    env = cluster.env({
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "PYTHONPATH": str(ROOT),   # jobs import the fedmpi under test
+        "FEDMPI_LAUNCHER": launcher,
+    })
+    log = "%x-%A_%a.log" if any(o.startswith("--array") for o in sbatch_options) else "%x-%j.log"
+    return cluster.sbatch([f"--chdir={tmp_path}", f"--output={tmp_path / log}", *CPU,
+                           *sbatch_options, str(ROOT / "jobs/slurm" / template), *args], env=env)
+
+
+def finished(cluster, job: str, tmp_path: Path, timeout: float = 240) -> list[dict]:
+    """Wait for the job; on failure say what its logs say."""
+    try:
+        jobs = cluster.wait(job, timeout)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{logs(tmp_path)}") from None
+    bad = [j for j in jobs if j["JobState"] != "COMPLETED" or j["ExitCode"] != "0:0"]
+    assert not bad, f"{[(j['JobId'], j['JobState'], j['ExitCode']) for j in bad]}\n{logs(tmp_path)}"
+    return jobs
+
+
+def _json(value):
+    """Provenance lists are stored as JSON text (parsed already by newer readers)."""
+    return json.loads(value) if isinstance(value, str) else value
+
+
+def logs(tmp_path: Path) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text()}" for p in sorted(tmp_path.glob("*.log")))
+
+
+# ---- no cluster needed ------------------------------------------------------------------
+
+def test_templates_share_one_job_block_and_parse():
+    assert {p.name for p in TEMPLATES} >= {"single_node.sbatch", "multi_node.sbatch",
+                                           "array_sweep.sbatch"}
+    blocks = {p.name: BLOCK.search(p.read_text()) for p in TEMPLATES}
+    assert all(blocks.values()), [name for name, b in blocks.items() if not b]
+    assert len({b.group(0) for b in blocks.values()}) == 1, "the job blocks differ: copy one to the others"
+    for path in TEMPLATES:
+        text = path.read_text()
+        assert "#SBATCH --signal=B:USR1@" in text and "#SBATCH --requeue" in text, path.name
+        subprocess.run(["bash", "-n", str(path)], check=True)
+
+
+# ---- against the local cluster ----------------------------------------------------------
+
+def test_single_node_template_runs_a_config(cluster, launcher, tmp_path):
+    config = write_config(tmp_path / "tiny.toml", rounds=3, output="runs/tiny.h5")
+    job = submit(cluster, "single_node.sbatch", [config.name], tmp_path, ["--ntasks=3"], launcher)
+    finished(cluster, job, tmp_path)
+    with open_run(tmp_path / "runs/tiny.h5") as run:
+        assert run.status == "completed" and run.attrs["world_size"] == 3
+        assert len(run.rounds()["round"]) == 3
+        assert [r["device"] for r in _json(run.attrs["ranks"])] == ["cpu"] * 3
+    assert f"{launcher}, 3 ranks, cell 0 of tiny.toml" in logs(tmp_path)
+
+
+def test_multi_node_template_places_server_and_workers(cluster, launcher, tmp_path):
+    """One node here: the hostfile placement still makes 1 + G ranks (G = per node - 1)."""
+    config = write_config(tmp_path / "tiny.toml", rounds=2, output="multi.h5")
+    job = submit(cluster, "multi_node.sbatch", [config.name], tmp_path,
+                 ["--nodes=1", "--ntasks-per-node=3"], launcher)
+    finished(cluster, job, tmp_path)
+    with open_run(tmp_path / "multi.h5") as run:
+        assert run.status == "completed" and run.attrs["world_size"] == 3
+        assert _json(run.attrs["hostnames"]) == [cluster.node]
+
+
+def test_array_template_runs_every_cell_of_a_sweep(cluster, tmp_path):
+    write_config(tmp_path / "base.toml", rounds=2)
+    (tmp_path / "s.toml").write_text('name = "tiny"\nconfig = "base.toml"\n[grid]\n'
+                                     '"algorithm.name" = ["fedavg", "fedprox"]\nseed = [0, 1]\n')
+    plan = sweeps.load(tmp_path / "s.toml", outdir=str(tmp_path / "runs"))
+    assert len(plan) == 4
+    job = submit(cluster, "array_sweep.sbatch", ["s.toml", "--outdir", "runs"], tmp_path,
+                 [f"--array=0-{len(plan) - 1}%2", "--ntasks=2"], launcher="mpirun")
+    jobs = finished(cluster, job, tmp_path)
+    assert sorted(int(j["ArrayTaskId"]) for j in jobs) == [0, 1, 2, 3]
+    for cell in plan.cells:
+        assert cell.output.name == f"{cell.name}.h5"   # e.g. algorithm.name=fedprox,seed=1.h5
+        with open_run(cell.output) as run:
+            assert run.status == "completed" and run.attrs["world_size"] == 2
+            assert (run.config["algorithm"]["name"], run.config["seed"]) == tuple(v for _, v in cell.values)
+
+
+def test_preempted_job_checkpoints_requeues_and_completes(cluster, launcher, tmp_path):
+    rounds = 20   # the signal lands within ~0.1 s of round 1; a round takes longer
+    config = write_config(tmp_path / "long.toml", rounds=rounds, output="long.h5")
+    output = tmp_path / "long.h5"
+    job = submit(cluster, "single_node.sbatch", [config.name], tmp_path, ["--ntasks=3"], launcher)
+    _wait_for_first_round(cluster, job, output, tmp_path)
+    # what SLURM does at --signal=B:USR1@120: USR1 to the batch shell only
+    cluster.client(["scancel", "--signal=USR1", "--batch", job])
+    (state,) = finished(cluster, job, tmp_path, timeout=300)
+    assert int(state["Restarts"]) >= 1, logs(tmp_path)
+    with open_run(output) as run:
+        assert run.status == "completed"
+        assert list(run.rounds()["round"]) == list(range(1, rounds + 1))
+        resumed_from = [entry["round"] for entry in run.attrs["resumes"]]
+        assert resumed_from and resumed_from[0] == run.attrs["interrupted_round"]
+    text = logs(tmp_path)
+    assert "requeueing job" in text and "resuming (interrupted)" in text
+
+
+def _wait_for_first_round(cluster, job: str, output: Path, tmp_path: Path, timeout: float = 120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if output.exists():
+            try:
+                with open_run(output) as run:
+                    if len(run.rounds()["round"]) >= 1:
+                        return
+            except (UsageError, OSError):   # still being created
+                pass
+        states = {j.get("JobState") for j in cluster.jobs(job)}
+        assert states & {"PENDING", "RUNNING", "CONFIGURING"}, f"job ended early: {states}\n{logs(tmp_path)}"
+        time.sleep(0.1)
+    raise AssertionError(f"no round in {output} after {timeout} s\n{logs(tmp_path)}")
