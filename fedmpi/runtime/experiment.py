@@ -205,7 +205,6 @@ class Experiment:
             self.writer.write_model(self.flat.canonical(self.state["x"]).numpy())
             self.writer.set_status("completed")
         self.writer.close()
-        self.store.close()
         return self.config.output_path()
 
     @property
