@@ -52,20 +52,16 @@ class ResultsWriter:
         layout = _check_layout(layout)
         partition = _partition_arrays(partition)
         _prepare_path(path, force)
-        h5file = h5py.File(path, "w", libver=schema.LIBVER)
-        try:
+
+        def fill(h5file: h5py.File) -> int:
             _set_attrs(h5file, attrs)
             _write_partition(h5file.create_group("partition"), partition)
             _create_columns(h5file.create_group("rounds"), round_fields, schema.ROUND_CHUNK)
             _create_columns(h5file.create_group("clients"), client_fields, schema.CLIENT_CHUNK)
             _create_columns(h5file.create_group("ranks"), list(rank_fields), schema.CLIENT_CHUNK)
-            n_params = _write_layout(h5file.create_group("model"), layout)
-            h5file.flush()
-            h5file.swmr_mode = True
-        except BaseException:
-            h5file.close()
-            raise
-        return cls(h5file, path, n_params)
+            return _write_layout(h5file.create_group("model"), layout)
+
+        return cls._into_swmr(h5py.File(path, "w", libver=schema.LIBVER), path, fill)
 
     @classmethod
     def resume(cls, path, completed_rounds: int, **attrs) -> "ResultsWriter":
@@ -73,12 +69,21 @@ class ResultsWriter:
         rows of later rounds, written before the run stopped, are cut so that the
         resumed rounds replace them; ``attrs`` (e.g. the resume history) are set."""
         path = Path(path)
-        h5file = _reopen(path)
-        try:
+        _check_not_reserved("resume attrs", attrs)
+
+        def fill(h5file: h5py.File) -> int:
             checkpoint.truncate(h5file, completed_rounds)
-            _check_not_reserved("resume attrs", attrs)
             _set_attrs(h5file, {"status": "running", **attrs})
-            n_params = int(h5file["model/layout/sizes"][()].sum())
+            return int(h5file["model/layout/sizes"][()].sum())
+
+        return cls._into_swmr(_reopen(path), path, fill)
+
+    @classmethod
+    def _into_swmr(cls, h5file: h5py.File, path: Path, fill) -> "ResultsWriter":
+        """``fill(h5file)`` (returns the parameter count), then SWMR for the rest of the run;
+        the file is closed if anything fails."""
+        try:
+            n_params = fill(h5file)
             h5file.flush()
             h5file.swmr_mode = True
         except BaseException:
