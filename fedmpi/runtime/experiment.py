@@ -165,7 +165,9 @@ class Experiment:
                              f"from the file's config (was the code changed?)")
         history.append({"round": self.start, "world_size": self.comm.size,
                         "git_commit": _git_commit(), "ranks": ranks})
-        self.writer = ResultsWriter.resume(path, self.start, resumes=history, error="")
+        # the last stop's details would be stale once the run goes on
+        self.writer = ResultsWriter.resume(path, self.start, resumes=history, error="",
+                                           interrupted_round=None, failed_round=None)
 
     def _load_checkpoint(self, ckpt) -> None:
         missing = sorted(set(self.state) - set(ckpt.server))
