@@ -43,3 +43,40 @@ def combine(rows: np.ndarray) -> tuple[float, float]:
         loss += l
         count += k
     return correct / count, loss / count
+
+
+# ---- representation learners: the kNN monitor (FedU^2 code; ALGORITHMS.md 2.3) -----------
+
+KNN_K, KNN_TEMPERATURE = 200, 0.1
+
+
+def knn_worker(encoder, data, worker: int, num_workers: int, k: int = KNN_K):
+    """This worker's share of the kNN monitor: bank chunks j = worker, worker + W, ... of
+    the training set (each ``BANK_BLOCK`` rows, so the bits do not depend on the split),
+    against every test sample. Returns the merged top-k of its chunks (or None).
+
+    Images go in as every batch does (``data.prepare``: normalised, no augmentation)."""
+    from .ssl_eval import BANK_BLOCK, features, knn_partial, merge_partials
+
+    n_bank = len(data.train_y)
+    starts = range(worker * BANK_BLOCK, n_bank, num_workers * BANK_BLOCK)
+    if not len(starts):
+        return None
+    with torch.no_grad():
+        prepare = lambda x: data.prepare(x, None)  # noqa: E731
+        test = features(encoder, data.test_x, prepare, normalize=True)
+        parts = []
+        for start in starts:
+            end = min(start + BANK_BLOCK, n_bank)
+            bank = features(encoder, data.train_x[start:end], prepare, normalize=True)
+            parts.append(knn_partial(test, bank, data.train_y[start:end], k, bank_offset=start))
+    return merge_partials(parts, k)
+
+
+def knn_accuracy(partials, test_y, num_classes: int, k: int = KNN_K,
+                 temperature: float = KNN_TEMPERATURE) -> float:
+    """Server: merge the workers' top-k lists exactly and vote."""
+    from .ssl_eval import knn_merge
+
+    predictions = knn_merge([p for p in partials if p is not None], k, temperature, num_classes)
+    return float((predictions.cpu() == test_y.cpu()).double().mean())

@@ -77,7 +77,7 @@ def test_building_is_seeded_by_the_global_generator():
 
 def test_resnet_backbone():
     torch.manual_seed(0)
-    model = build_ssl_model("resnet18", 3, 32, proj_dim=8, hidden=16, num_groups=2)
+    model = build_ssl_model("resnet18", 3, 32, {"num_groups": 2}, proj_dim=8, hidden=16)
     assert model.encode(torch.rand(2, 3, 32, 32)).shape == (2, 512)
     assert model.predictor is None
     with pytest.raises(RuntimeError, match="predictor"):
@@ -88,7 +88,7 @@ def test_validation_names_the_field():
     with pytest.raises(UsageError, match="text"):
         build_ssl_model("lstm", 1, 28)
     with pytest.raises(UsageError, match="channels"):
-        build_ssl_model("cnn", 1, 28, channels=(0, 1))
+        build_ssl_model("cnn", 1, 28, {"channels": (0, 1)})
     with pytest.raises(UsageError, match="norm"):
         SSLNet(nn.Identity(), 4, norm="batch")
     with pytest.raises(UsageError, match="hidden"):

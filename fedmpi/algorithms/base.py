@@ -67,6 +67,12 @@ class ClientData:
     def batches(self, epochs: int, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         raise NotImplementedError
 
+    def view_batches(self, epochs: int, batch_size: int
+                     ) -> Iterator[tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]]:
+        """Self-supervised batches ((view1, view2), y): two random augmentations of each
+        image (SimCLR's, ``fedmpi.data.ssl_augment.two_views``), floats in [0, 1]."""
+        raise NotImplementedError
+
     def num_steps(self, epochs: int, batch_size: int) -> int:
         return epochs * -(-self.num_samples // batch_size)
 
@@ -113,6 +119,9 @@ class Algorithm:
     Params: ClassVar[type] = Params
     phases: ClassVar[tuple[str, ...]] = ("train",)
     diagnostic_fields: ClassVar[tuple[str, ...]] = ()   # names ``diagnostics`` returns
+    # False: a representation learner without a classifier; the runtime then scores the
+    # global model by kNN accuracy of its encoder (``fedmpi.ssl_eval``) instead.
+    supervised: ClassVar[bool] = True
 
     def __init__(self, params: Params | None = None):
         self.params = params if params is not None else self.Params()
@@ -130,6 +139,12 @@ class Algorithm:
 
     def contribution_sizes(self, d: int) -> dict[str, int]:
         return {"delta": d, "weight": 1}
+
+    def build_model(self, build, name: str, in_channels: int, num_classes: int, image_size: int,
+                    options: dict):
+        """The nn.Module this method trains; ``build`` is the model registry's
+        ``build_model``. Self-supervised methods wrap the backbone in their heads."""
+        return build(name, in_channels, num_classes, image_size, **options)
 
     def check_model(self, model_options: dict) -> None:
         """Config-time check that the model has what this method needs (MOON: a

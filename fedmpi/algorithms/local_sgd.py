@@ -59,8 +59,9 @@ def loss_gradient(task: ClientTask, x, y, loss_fn) -> torch.Tensor:
 
 def train(task: ClientTask, ctx: RoundContext, correction: Correction | None = None,
           loss_fn: Callable | None = None,
-          gradient_fn: GradientFn | None = None) -> tuple[float, int]:
-    """Run E local epochs from the model's current parameters.
+          gradient_fn: GradientFn | None = None, batches=None) -> tuple[float, int]:
+    """Run E local epochs from the model's current parameters (``batches``: another
+    source of (x, y) than ``task.data.batches``, e.g. self-supervised view pairs).
 
     Returns (mean training loss over steps, number of steps). The loss is accumulated on
     the device and read once, so a GPU never synchronises inside the loop.
@@ -71,7 +72,9 @@ def train(task: ClientTask, ctx: RoundContext, correction: Correction | None = N
     module.train()
     total = torch.zeros((), device=flat.params.device)
     steps = 0
-    for x, y in task.data.batches(ctx.local_epochs, ctx.batch_size):
+    if batches is None:
+        batches = task.data.batches(ctx.local_epochs, ctx.batch_size)
+    for x, y in batches:
         loss = gradient_fn(task, x, y, loss_fn)
         if correction is not None:
             correction(flat.grads, flat.params[:flat.num_params])

@@ -120,10 +120,15 @@ class ClientSkew:
         return mask
 
 
+def normalise(x01: torch.Tensor, mean=None, std=None, channels_last: bool = False) -> torch.Tensor:
+    """[0, 1] floats -> (x - mean) / std per channel, in place, as `to_float` does for bytes."""
+    scale, shift = _scale_shift(_key(mean), _key(std), x01.shape[1], x01.device)
+    x = x01.mul_(scale * 255).add_(shift)
+    return x.contiguous(memory_format=torch.channels_last) if channels_last else x
+
+
 def skewed_float(x_uint8: torch.Tensor, skew: ClientSkew, generator: torch.Generator,
                  mean=None, std=None, channels_last: bool = False) -> torch.Tensor:
     """uint8 -> [0, 1] -> the client's skew -> normalised float32 (as `to_float`)."""
-    x = skew.apply(x_uint8.to(torch.float32).div_(255), generator)
-    scale, shift = _scale_shift(_key(mean), _key(std), x.shape[1], x.device)
-    x = x.mul_(scale * 255).add_(shift)
-    return x.contiguous(memory_format=torch.channels_last) if channels_last else x
+    return normalise(skew.apply(x_uint8.to(torch.float32).div_(255), generator), mean, std,
+                     channels_last)

@@ -100,10 +100,12 @@ def group_slices(module: nn.Module) -> dict[str, slice]:
     return slices
 
 
-def build_ssl_model(backbone_name: str, in_channels: int, image_size: int, proj_dim: int = 512,
+def build_ssl_model(backbone_name: str, in_channels: int, image_size: int,
+                    backbone_options: dict | None = None, *, proj_dim: int = 512,
                     predictor: bool = False, hidden: int = 2048, pred_hidden: int = 2048,
-                    norm: str = "layer", **backbone_options) -> SSLNet:
-    """SSLNet over registry model ``backbone_name`` (fedmpi.models.build_model).
+                    norm: str = "layer") -> SSLNet:
+    """SSLNet over registry model ``backbone_name`` (fedmpi.models.build_model) built with
+    ``backbone_options`` (a dict: the backbone's own ``hidden`` must not meet the head's).
 
     The backbone is built with num_classes=1 and its ``classifier`` is replaced by
     nn.Identity, so the classifier has no parameters in the flat buffer and
@@ -114,7 +116,7 @@ def build_ssl_model(backbone_name: str, in_channels: int, image_size: int, proj_
     if backbone_name in MODELS and MODELS[backbone_name].modality != "image":
         raise UsageError(f"model.name {backbone_name!r} is a {MODELS[backbone_name].modality} "
                          "model; self-supervised learning needs an image backbone")
-    backbone = build_model(backbone_name, in_channels, 1, image_size, **backbone_options)
+    backbone = build_model(backbone_name, in_channels, 1, image_size, **(backbone_options or {}))
     feature_dim = backbone.classifier.in_features
     backbone.classifier = nn.Identity()
     return SSLNet(backbone, feature_dim, proj_dim=proj_dim, hidden=hidden, predictor=predictor,

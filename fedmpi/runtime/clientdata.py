@@ -12,7 +12,8 @@ import numpy as np
 import torch
 
 from ..algorithms.base import ClientData
-from ..data.augment import ClientSkew, crop_flip, skewed_float, to_float
+from ..data.augment import ClientSkew, crop_flip, normalise, skewed_float, to_float
+from ..data.ssl_augment import two_views
 from .rng import torch_generator
 
 
@@ -65,6 +66,22 @@ class TensorClientData(ClientData):
         self.seed, self.key = seed, key
 
     def batches(self, epochs: int, batch_size: int):
+        for batch, aug in self._index_batches(epochs, batch_size):
+            yield self.data.prepare(self.x[batch], aug, self.skew), self.y[batch]
+
+    def view_batches(self, epochs: int, batch_size: int):
+        """((view1, view2), y): SimCLR's two augmentations, normalised with the dataset's
+        statistics like every other batch. (The FedU^2 code feeds [0, 1] views to a
+        BatchNorm ResNet; fedmpi's models have no BatchNorm, and the plain CNN does not
+        learn from uncentred views: NT-Xent stays at chance.) The client's feature skew,
+        if any, is not applied to views."""
+        d = self.data
+        for batch, aug in self._index_batches(epochs, batch_size):
+            views = two_views(self.x[batch], aug)
+            yield tuple(normalise(v, d.mean, d.std, d.channels_last) for v in views), self.y[batch]
+
+    def _index_batches(self, epochs: int, batch_size: int):
+        """Index batches in a keyed random order, with the keyed augmentation generator."""
         order = torch_generator(self.seed, "batch" + self.purpose, *self.key)
         aug_device = self.data.device if self.data.device.type == "cuda" else "cpu"
         aug = torch_generator(self.seed, "augment" + self.purpose, *self.key, device=aug_device)
@@ -72,5 +89,4 @@ class TensorClientData(ClientData):
             idx = self.indices[torch.randperm(self.num_samples, generator=order)]
             idx = idx.to(self.data.device, non_blocking=True)
             for start in range(0, self.num_samples, batch_size):
-                batch = idx[start:start + batch_size]
-                yield self.data.prepare(self.x[batch], aug, self.skew), self.y[batch]
+                yield idx[start:start + batch_size], aug

@@ -32,7 +32,7 @@ import torch
 from .. import __version__, algorithms, signals
 from ..data import load_dataset
 from ..errors import UsageError
-from ..evaluation import chunks_of, combine, evaluate_chunks
+from ..evaluation import chunks_of, combine, evaluate_chunks, knn_accuracy, knn_worker
 from ..flat import FlatModel
 from ..models import build_model
 from ..results import ResultsWriter, RunFile
@@ -90,7 +90,7 @@ class Experiment:
         self.device = choose_device(cfg.system.device, comm.is_worker, comm.rank)
         dataset = load_dataset(cfg.data.dataset, cfg.data.data_dir, seed=cfg.seed,
                                **cfg.data.options)
-        self.num_classes = dataset.num_classes
+        self.num_classes, self.test_y = dataset.num_classes, dataset.test_y
         self._partition(dataset)
         self._model(dataset)
         if comm.is_worker:
@@ -123,8 +123,8 @@ class Experiment:
     def _model(self, dataset) -> None:
         cfg = self.config
         torch.manual_seed(key_seed(cfg.seed, "init"))
-        module = build_model(cfg.model.name, dataset.in_channels, dataset.num_classes,
-                             dataset.image_size, **cfg.model.options)
+        module = self.alg.build_model(build_model, cfg.model.name, dataset.in_channels,
+                                      dataset.num_classes, dataset.image_size, cfg.model.options)
         self.flat = FlatModel(module, self.device, channels_last=cfg.model.channels_last)
         self.d = self.flat.size
 
@@ -414,9 +414,12 @@ class Experiment:
         buf = self.alg.eval_params(self.state).to(torch.float32).contiguous().clone() \
             if comm.is_server else torch.empty(self.d, dtype=torch.float32)
         comm.bcast(buf)
-        rows = np.zeros((0, 4))
         if comm.is_worker:
             self.flat.load(buf.to(self.device))
+        if not self.alg.supervised:
+            return self._evaluate_knn(timers, t0)
+        rows = np.zeros((0, 4))
+        if comm.is_worker:
             chunk_ids = chunks_of(len(self.data.test_y), bs, comm.worker_index, comm.num_workers)
             rows = evaluate_chunks(self.flat.module, self.data, chunk_ids, bs)
         parts = comm.gatherv(rows.reshape(-1))
@@ -424,6 +427,18 @@ class Experiment:
         if not comm.is_server:
             return math.nan, math.nan
         return combine(np.concatenate(parts).reshape(-1, 4))
+
+    def _evaluate_knn(self, timers, t0) -> tuple[float, float]:
+        """A representation learner's test_acc: kNN accuracy of its encoder (k = 200,
+        temperature 0.1, bank = the training set), bank chunks sharded over workers."""
+        comm = self.comm
+        partial = knn_worker(self.flat.module.encoder, self.data, comm.worker_index,
+                             comm.num_workers) if comm.is_worker else None
+        parts = comm.gather_obj(partial)
+        timers["eval"] += time.perf_counter() - t0
+        if not comm.is_server:
+            return math.nan, math.nan
+        return knn_accuracy(parts, self.test_y, self.num_classes), math.nan
 
     # ---- bookkeeping ----------------------------------------------------------------------
     def _rank_stats(self, timers) -> list[float]:
