@@ -1,0 +1,83 @@
+"""FedBYOL: BYOL clients with a local target, online networks averaged by FedAvg.
+
+Grill et al., "Bootstrap Your Own Latent", NeurIPS 2020, https://arxiv.org/abs/2006.07733;
+federated as in EasyFL applications/fedssl (Zhuang et al., the FedU/FedEMA authors);
+ALGORITHMS.md section 4.
+
+Client k: online theta (encoder f, projector g, predictor q) <- x^t; target xi_k (f, g)
+kept on the client, xi_k <- x^t_[f, g] at its first participation; E epochs of BYOL
+(fedmpi.algorithms.byol: loss 2 - 2cos(p, sg t) both ways, then xi_k <- tau xi_k +
+(1 - tau) theta_[f, g] after every step); upload Delta_k = theta_K - x^t.
+Server: x^{t+1} = x^t + eta_g sum_k n_k Delta_k / sum_k n_k (f, g and q).
+Messages d down, d up (d = online incl. predictor; the target never travels).
+Client state: target xi_k (d - |q|), seen (1: 0 until the first participation; the store
+hands out zeros for a client without state).
+
+FedU and FedEMA change only where the online and target networks start (``start``) and
+what else the client keeps (``extra_state``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Algorithm, Upload, register
+from .byol import BYOLParams, byol_train, predictor_size, target_model
+from .fedsimsiam import build_predictor_model
+
+
+@register
+class FedBYOL(Algorithm):
+    name = "fedbyol"
+    paper = "Grill et al. 2020, arXiv:2006.07733 (federated: EasyFL fedssl)"
+    supervised = False
+    Params = BYOLParams
+
+    def __init__(self, params=None):
+        super().__init__(params)
+        self._target = None   # (the worker's flat model, its target network): a cache only
+
+    def build_model(self, build, name, in_channels, num_classes, image_size, options):
+        return build_predictor_model(self.params, name, in_channels, image_size, options)
+
+    def target_size(self, d: int) -> int:
+        """|xi| = |f| + |g|: the flat prefix before the predictor."""
+        return d - predictor_size(self.params)
+
+    def client_state_sizes(self, d):
+        return {"target": self.target_size(d), "seen": 1}
+
+    # ---- the hooks FedU / FedEMA override ----
+    def start(self, x, client_state, ctx, seen: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(theta_0, xi_0) of this local update: the global model and the client's target
+        (the global encoder + projector at the first participation)."""
+        return x, (client_state["target"] if seen else x[:self.target_size(len(x))])
+
+    def extra_state(self, task, start, client_state, ctx, seen: bool) -> dict:
+        """State kept next to the target, from theta_0 = ``start`` and theta_K (the model)."""
+        return {}
+
+    # ---- client ----
+    def local_update(self, task, payload, client_state, ctx):
+        x = payload["x"]
+        seen = bool(client_state["seen"].item())
+        start, target_start = self.start(x, client_state, ctx, seen)
+        task.model.load(start)
+        target = self._target_of(task.model)
+        target.load(target_start)
+        loss, steps = byol_train(task, ctx, target, self.params.tau_ema)
+        w = task.model.params
+        state = {"target": target.params.clone(), "seen": torch.ones(1, device=w.device),
+                 **self.extra_state(task, start, client_state, ctx, seen)}
+        return Upload(delta=w - x, num_samples=task.data.num_samples, loss=loss, steps=steps,
+                      state=state)
+
+    def _target_of(self, flat):
+        """The worker's target network, built once per worker model."""
+        if self._target is None or self._target[0] is not flat:
+            target = target_model(flat)
+            if target.size != self.target_size(flat.size):
+                raise ValueError(f"target network has {target.size} values, expected "
+                                 f"{self.target_size(flat.size)} (d - predictor)")
+            self._target = (flat, target)
+        return self._target[1]
