@@ -65,8 +65,6 @@ class FedSimSiam(Algorithm):
         return build_predictor_model(self.params, name, in_channels, image_size, options)
 
     def local_update(self, task, payload, client_state, ctx):
-        task.model.load(payload["x"])
         batches = task.data.view_batches(ctx.local_epochs, ctx.batch_size)
-        loss, steps = local_sgd.train(task, ctx, loss_fn=simsiam_batch_loss, batches=batches)
-        return local_sgd.Upload(delta=task.model.params - payload["x"],
-                                num_samples=task.data.num_samples, loss=loss, steps=steps)
+        return local_sgd.local_update(task, payload["x"], ctx, loss_fn=simsiam_batch_loss,
+                                      batches=batches)

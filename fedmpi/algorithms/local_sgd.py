@@ -87,9 +87,10 @@ def train(task: ClientTask, ctx: RoundContext, correction: Correction | None = N
 
 def local_update(task: ClientTask, x: torch.Tensor, ctx: RoundContext,
                  correction: Correction | None = None,
-                 gradient_fn: GradientFn | None = None) -> Upload:
+                 gradient_fn: GradientFn | None = None, loss_fn: Callable | None = None,
+                 batches=None) -> Upload:
     """Load x, train, and return Delta = x_K - x (the common case of every method)."""
     task.model.load(x)
-    loss, steps = train(task, ctx, correction, gradient_fn=gradient_fn)
+    loss, steps = train(task, ctx, correction, loss_fn, gradient_fn, batches)
     delta = task.model.params - x
     return Upload(delta=delta, num_samples=task.data.num_samples, loss=loss, steps=steps)
