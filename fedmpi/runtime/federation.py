@@ -33,11 +33,11 @@ from .rng import key_seed, numpy_rng
 
 
 @dataclass
-class FederatedSplit:
-    """Client identity c owns ``indices[offsets[c]:offsets[c + 1]]`` (training set ids)."""
+class FederatedSplit(Partition):
+    """A partition over client identities (M = N for a static population): identity c owns
+    ``client(c)`` = ``indices[offsets[c]:offsets[c + 1]]`` (training set ids), plus who is
+    in the population when and each identity's feature skew."""
 
-    offsets: np.ndarray         # int64 [M + 1], M identities (M = N for a static population)
-    indices: np.ndarray         # int64
     public: np.ndarray          # int64: the server's labelled set (train or test ids), may be empty
     population: np.ndarray      # int64 [stages, N]: identity in each slot, per stage
     every: int                  # rounds per stage; 0 = static population
@@ -49,15 +49,8 @@ class FederatedSplit:
     noise_blocks: int           # 0: noise on the whole image; g: client's cell of a g x g grid
 
     @property
-    def sizes(self) -> np.ndarray:
-        return np.diff(self.offsets)
-
-    @property
     def num_identities(self) -> int:
-        return len(self.offsets) - 1
-
-    def client(self, c: int) -> np.ndarray:
-        return self.indices[self.offsets[c]:self.offsets[c + 1]]
+        return self.num_clients
 
     def active(self, round_: int) -> np.ndarray:
         """The N identities that make up the population in round ``round_``."""
@@ -75,7 +68,7 @@ class FederatedSplit:
         return None if skew.is_identity else skew
 
     def class_counts(self, labels: np.ndarray, num_classes: int) -> np.ndarray:
-        return class_counts(Partition(self.offsets, self.indices), labels, num_classes)
+        return class_counts(self, labels, num_classes)
 
     def file_datasets(self, labels: np.ndarray, num_classes: int) -> dict[str, np.ndarray]:
         """What the results file keeps under /partition (docs/results-schema.md)."""
