@@ -54,12 +54,8 @@ def _config_options(command):
 def _resolve(config_file, preset, overrides, output=None):
     from . import config as cfg
 
-    overrides = list(overrides) + ([f"output={_toml_string(output)}"] if output else [])
+    overrides = list(overrides) + ([f"output={cfg.toml_value(output)}"] if output else [])
     return cfg.resolve(config_file, preset, overrides)
-
-
-def _toml_string(text: str) -> str:
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 @main.command()

@@ -383,23 +383,24 @@ def resolve(path: str | None = None, preset: str | None = None,
 
 def to_toml(values: dict) -> str:
     """The resolved config as TOML that ``fedmpi run FILE`` reads back to the same config."""
-    top = [f"{k} = {_toml_value(v)}" for k, v in values.items() if not isinstance(v, dict)]
+    top = [f"{k} = {toml_value(v)}" for k, v in values.items() if not isinstance(v, dict)]
     lines = top + [""]
     for section, table in values.items():
         if isinstance(table, dict):
             lines.append(f"[{section}]")
-            lines += [f"{k} = {_toml_value(v)}" for k, v in table.items() if v is not None]
+            lines += [f"{k} = {toml_value(v)}" for k, v in table.items() if v is not None]
             lines.append("")
     return "\n".join(lines)
 
 
-def _toml_value(value) -> str:
+def toml_value(value) -> str:
+    """A Python value as a TOML literal (what TOML files and ``--set`` read back)."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     if isinstance(value, dict):  # e.g. FNR-FL's base_params
-        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
+        return "{" + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + "}"
     return repr(value)

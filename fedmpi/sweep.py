@@ -63,7 +63,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import ExperimentConfig, resolve
-from .config import _toml_value   # TOML literal of a value: what --set parses back
+from .config import toml_value
 from .errors import UsageError
 
 SWEEP_KEYS = ("name", "preset", "config", "outdir", "set", "grid")
@@ -107,7 +107,7 @@ class Sweep:
     def config(self, cell: Cell) -> ExperimentConfig:
         """The cell's resolved config (what ``fedmpi run`` would run)."""
         kind, value = self.base
-        output = [] if self.single else [f"output={_toml_value(str(cell.output))}"]
+        output = [] if self.single else [f"output={toml_value(str(cell.output))}"]
         try:
             return resolve(value if kind == "config" else None,
                            value if kind == "preset" else None, list(cell.overrides) + output)
@@ -239,7 +239,7 @@ def _check_keys(path: Path, fixed: dict, grid: dict, extra: list[str]) -> None:
 
 def _cells(path: Path, fixed: dict, grid: dict, extra: list[str], directory: Path):
     keys = list(grid)
-    common = [f"{k}={_toml_value(v)}" for k, v in fixed.items()]
+    common = [f"{k}={toml_value(v)}" for k, v in fixed.items()]
     seen: dict[str, int] = {}
     for index, point in enumerate(itertools.product(*grid.values())):
         values = tuple(zip(keys, point))
@@ -248,7 +248,7 @@ def _cells(path: Path, fixed: dict, grid: dict, extra: list[str], directory: Pat
             raise UsageError(f"sweep {path}: cells {seen[name]} and {index} both get the name {name!r}; "
                              f"make their values differ in letters, digits or . _ + -")
         seen[name] = index
-        overrides = common + [f"{k}={_toml_value(v)}" for k, v in values] + extra
+        overrides = common + [f"{k}={toml_value(v)}" for k, v in values] + extra
         yield Cell(index, values, name, directory / f"{name}.h5", tuple(overrides))
 
 
