@@ -77,8 +77,9 @@ def build(name: str, params: dict) -> Algorithm:
 def _checked(field: str, value, default):
     """A parameter must have the type of its default. Config files have no tuples and
     ints for floats are fine: a list becomes a tuple (its elements are the Params
-    class's to check), an int a float; a table is a dict parameter."""
-    kind = type(default)
+    class's to check), an int a float; a table is a dict parameter. A None default is
+    an optional number (the Params class fills it in from other fields)."""
+    kind = float if default is None else type(default)
     if kind is tuple and isinstance(value, (list, tuple)):
         return tuple(value)
     if kind is float and isinstance(value, int) and not isinstance(value, bool):

@@ -26,6 +26,11 @@ How each shape of method fits (the next algorithms are written against this):
   them; ``phase_participants`` picks who takes part in each from the server state.
 - server state (momentum, Adam moments, control variate c): ``init_server_state`` returns
   named tensors next to the global model ``x``; checkpointing saves the dict as it is.
+- client weights that depend on every pair of updates (FedU^2's EUA: min-norm weights
+  from <Delta_k, Delta_l>): ``gram_weighted`` switches the sum of ``delta`` to
+  fedmpi.runtime.gram, which computes the inner products where the updates are, asks
+  ``gram_coefficients`` for c_k on the server and hands ``server_update``
+  sums["delta"] = sum_k c_k Delta_k.
 
 tests/test_protocol.py exercises all five with a toy algorithm on quadratic clients.
 """
@@ -164,6 +169,18 @@ class Algorithm:
                       gathered: dict[str, np.ndarray], ctx: RoundContext) -> None:
         """x <- x + eta_g * sum_i n_i Delta_i / sum_i n_i (n_i-weighted, ALGORITHMS.md 3)."""
         state["x"].add_(sums["delta"], alpha=ctx.global_lr / float(sums["weight"]))
+
+    def gram_weighted(self, phase: str) -> bool:
+        """True: in ``phase`` the uploads' ``delta`` are not summed by ``contribution``;
+        the runtime computes the K x K inner products of the participants' Delta_k
+        (no rank receives K d values), calls ``gram_coefficients`` on the server and puts
+        sum_k c_k Delta_k in sums["delta"]. ``contribution_sizes`` must then omit "delta"."""
+        return False
+
+    def gram_coefficients(self, inner: np.ndarray, ctx: RoundContext) -> np.ndarray:
+        """c_k (float64, K) from inner[k, l] = <Delta_k, Delta_l> (float64), participants
+        in ascending client id."""
+        raise NotImplementedError
 
     def eval_params(self, state) -> torch.Tensor:
         return state["x"]

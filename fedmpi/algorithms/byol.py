@@ -28,7 +28,7 @@ from ..errors import UsageError
 from ..flat import FlatModel
 from . import local_sgd
 from .fedsimsiam import PredictorParams
-from .ssl_losses import byol_loss, ema_update
+from .ssl_losses import byol_head, ema_update, on_projections
 
 
 @dataclass(frozen=True)
@@ -59,19 +59,6 @@ def target_model(online: FlatModel) -> FlatModel:
     return target
 
 
-def byol_batch_loss(target_module):
-    """loss_fn over a ((view1, view2), y) batch; the target's outputs carry no gradient."""
-    def loss(module, views, y) -> torch.Tensor:
-        v1, v2 = views
-        both = torch.cat([v1, v2])
-        p = module.predict(module.project(both))
-        with torch.no_grad():
-            t = target_module.project(both)
-        b = len(v1)
-        return byol_loss(p[:b], p[b:], t[:b], t[b:])
-    return loss
-
-
 def ema_after_each_step(batches, target: torch.Tensor, online: torch.Tensor, tau: float):
     """Yield ``batches``; each time the trainer asks for the next one (its step is done,
     including after the last) apply xi <- tau xi + (1 - tau) theta[:len(xi)]."""
@@ -81,12 +68,13 @@ def ema_after_each_step(batches, target: torch.Tensor, online: torch.Tensor, tau
         ema_update(target, online[:n], tau)
 
 
-def byol_train(task, ctx, target: FlatModel, tau: float) -> tuple[float, int]:
-    """E local epochs of BYOL from the loaded online model, updating ``target`` in place."""
+def byol_train(task, ctx, target: FlatModel, tau: float, head=byol_head) -> tuple[float, int]:
+    """E local epochs of BYOL from the loaded online model, updating ``target`` in place;
+    ``head(target_module)`` is the loss head on the projections (FedU^2 adds FUR to it)."""
     target.module.train(True)   # same mode as the online network (no running statistics)
     batches = task.data.view_batches(ctx.local_epochs, ctx.batch_size)
     batches = ema_after_each_step(batches, target.params, task.model.params, tau)
-    return local_sgd.train(task, ctx, loss_fn=byol_batch_loss(target.module), batches=batches)
+    return local_sgd.train(task, ctx, loss_fn=on_projections(head(target.module)), batches=batches)
 
 
 def divergence_slots(flat: FlatModel) -> list:

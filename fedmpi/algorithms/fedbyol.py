@@ -24,6 +24,7 @@ import torch
 from .base import Algorithm, Upload, register
 from .byol import BYOLParams, byol_train, predictor_size, target_model
 from .fedsimsiam import build_predictor_model
+from .ssl_losses import byol_head
 
 
 @register
@@ -57,6 +58,10 @@ class FedBYOL(Algorithm):
         """State kept next to the target, from theta_0 = ``start`` and theta_K (the model)."""
         return {}
 
+    def loss_head(self, target_module):
+        """The loss on the projections of both views (FedU^2 adds its regulariser)."""
+        return byol_head(target_module)
+
     # ---- client ----
     def local_update(self, task, payload, client_state, ctx):
         x = payload["x"]
@@ -65,7 +70,7 @@ class FedBYOL(Algorithm):
         task.model.load(start)
         target = self._target_of(task.model)
         target.load(target_start)
-        loss, steps = byol_train(task, ctx, target, self.params.tau_ema)
+        loss, steps = byol_train(task, ctx, target, self.params.tau_ema, head=self.loss_head)
         w = task.model.params
         state = {"target": target.params.clone(), "seen": torch.ones(1, device=w.device),
                  **self.extra_state(task, start, client_state, ctx, seen)}

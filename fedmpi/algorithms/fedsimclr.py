@@ -15,13 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from ..errors import UsageError
 from ..models.ssl import build_ssl_model
 from . import local_sgd
 from .base import Algorithm, Params, register
-from .ssl_losses import nt_xent
+from .ssl_losses import on_projections, simclr_head
 
 
 @dataclass(frozen=True)
@@ -41,15 +39,6 @@ class SSLParams(Params):
                 raise UsageError(f"algorithm.{name}={value!r}: must be a positive integer")
         if self.head_norm not in ("layer", "none"):
             raise UsageError(f"algorithm.head_norm={self.head_norm!r}: must be 'layer' or 'none'")
-
-
-def simclr_loss(temperature: float):
-    """loss_fn over a ((view1, view2), y) batch: both views through one forward."""
-    def loss(module, views, y) -> torch.Tensor:
-        v1, v2 = views
-        z = module.project(torch.cat([v1, v2]))
-        return nt_xent(z[:len(v1)], z[len(v1):], temperature)
-    return loss
 
 
 @register
@@ -77,4 +66,4 @@ class FedSimCLR(Algorithm):
     def local_update(self, task, payload, client_state, ctx):
         batches = task.data.view_batches(ctx.local_epochs, ctx.batch_size)
         return local_sgd.local_update(task, payload["x"], ctx,
-                                      loss_fn=simclr_loss(self.params.temperature), batches=batches)
+                                      loss_fn=on_projections(simclr_head(self.params.temperature)), batches=batches)

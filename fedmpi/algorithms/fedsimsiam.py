@@ -14,14 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from ..errors import UsageError
 from ..models.ssl import build_ssl_model
 from . import local_sgd
 from .base import Algorithm, register
 from .fedsimclr import SSLParams
-from .ssl_losses import simsiam_loss
+from .ssl_losses import on_projections, simsiam_head
 
 
 @dataclass(frozen=True)
@@ -45,15 +43,6 @@ def build_predictor_model(params: PredictorParams, name, in_channels, image_size
                            pred_hidden=params.pred_hidden, norm=params.head_norm)
 
 
-def simsiam_batch_loss(module, views, y) -> torch.Tensor:
-    """loss_fn over a ((view1, view2), y) batch: both views through one forward."""
-    v1, v2 = views
-    z = module.project(torch.cat([v1, v2]))
-    p = module.predict(z)
-    b = len(v1)
-    return simsiam_loss(p[:b], p[b:], z[:b], z[b:])
-
-
 @register
 class FedSimSiam(Algorithm):
     name = "fedsimsiam"
@@ -66,5 +55,5 @@ class FedSimSiam(Algorithm):
 
     def local_update(self, task, payload, client_state, ctx):
         batches = task.data.view_batches(ctx.local_epochs, ctx.batch_size)
-        return local_sgd.local_update(task, payload["x"], ctx, loss_fn=simsiam_batch_loss,
+        return local_sgd.local_update(task, payload["x"], ctx, loss_fn=on_projections(simsiam_head),
                                       batches=batches)

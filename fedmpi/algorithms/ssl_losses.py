@@ -52,6 +52,41 @@ def simsiam_loss(p1: torch.Tensor, p2: torch.Tensor, z1: torch.Tensor,
     return -(_cosine(p1, z2).mean() + _cosine(p2, z1).mean()) / 2
 
 
+def on_projections(head):
+    """A local-SGD loss_fn over ((view1, view2), y) batches from a ``head(module, z, both)``
+    loss on the projections z = g(f(both)) of both views, stacked (view 1 first) in one
+    forward; the FUSL methods differ only in the head."""
+    def loss(module, views, y) -> torch.Tensor:
+        both = torch.cat(views)
+        return head(module, module.project(both), both)
+    return loss
+
+
+def halves(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(view 1 rows, view 2 rows) of a stacked two-view batch."""
+    b = t.shape[0] // 2
+    return t[:b], t[b:]
+
+
+def simclr_head(temperature: float):
+    return lambda module, z, both: nt_xent(*halves(z), temperature)
+
+
+def simsiam_head(module, z, both) -> torch.Tensor:
+    p1, p2 = halves(module.predict(z))
+    return simsiam_loss(p1, p2, *halves(z))
+
+
+def byol_head(target_module):
+    """BYOL against ``target_module`` (no gradient through the target)."""
+    def head(module, z, both) -> torch.Tensor:
+        p1, p2 = halves(module.predict(z))
+        with torch.no_grad():
+            t1, t2 = halves(target_module.project(both))
+        return byol_loss(p1, p2, t1, t2)
+    return head
+
+
 @torch.no_grad()
 def ema_update(target_params, online_params, tau: float) -> None:
     """xi <- tau xi + (1 - tau) theta, in place; tensors or equally long iterables of them.

@@ -105,6 +105,25 @@ class MPIComm(Comm):
         self.ledger.received += (recv.size - send.size) * send.itemsize
         return np.split(recv, np.cumsum(counts)[:-1])
 
+    def alltoallv(self, parts):
+        send = [np.ascontiguousarray(as_array(p)).reshape(-1) for p in parts]
+        if len(send) != self.size:
+            raise ValueError(f"alltoallv needs {self.size} parts, got {len(send)}")
+        dtype = send[self.rank].dtype
+        counts = np.array([p.size for p in send], dtype=np.int64)
+        self._arrive()
+        with Stopwatch(self.ledger, "comm_seconds"):
+            rcounts = np.array(self.comm.alltoall(counts.tolist()), dtype=np.int64)
+            sbuf = np.concatenate(send).astype(dtype, copy=False) if send else np.zeros(0, dtype)
+            rbuf = np.empty(int(rcounts.sum()), dtype=dtype)
+            sdispl = np.concatenate([[0], np.cumsum(counts)[:-1]])
+            rdispl = np.concatenate([[0], np.cumsum(rcounts)[:-1]])
+            self.comm.Alltoallv([sbuf, (counts, sdispl)], [rbuf, (rcounts, rdispl)])
+        itemsize = np.dtype(dtype).itemsize
+        self.ledger.sent += int(counts.sum() - counts[self.rank]) * itemsize
+        self.ledger.received += int(rcounts.sum() - rcounts[self.rank]) * itemsize
+        return np.split(rbuf, np.cumsum(rcounts)[:-1])
+
     def gather_obj(self, obj, root=0, count=True):
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         self._arrive()

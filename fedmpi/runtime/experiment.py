@@ -36,6 +36,7 @@ from ..evaluation import chunks_of, combine, evaluate_chunks, knn_accuracy, knn_
 from ..flat import FlatModel
 from ..models import build_model
 from ..results import ResultsWriter, RunFile
+from . import gram
 from .clientdata import DeviceData
 from .federation import federate
 from .plan import place, sample_clients
@@ -261,9 +262,16 @@ class Experiment:
         ctx = self._context(t, phase, participants)
         states = self._scatter_states(assignment)
         t0 = time.perf_counter()
-        folded, rows, new_states = self._train(assignment, payload, states, ctx, p)
+        folded, rows, new_states, vectors = self._train(assignment, payload, states, ctx, p)
         timers["compute"] += time.perf_counter() - t0
         sums = self._collect_sums(folded, assignment, p)
+        if self.alg.gram_weighted(phase):
+            t0 = time.perf_counter()
+            combined, _ = gram.weighted_sum(self.comm, vectors, assignment, self.d,
+                                            lambda inner: self.alg.gram_coefficients(inner, ctx))
+            timers["aggregate"] += time.perf_counter() - t0
+            if self.comm.is_server:
+                sums["delta"] = combined
         gathered = self._collect_rows(rows)
         self._gather_states(new_states)
         if not self.comm.is_server:
@@ -320,7 +328,8 @@ class Experiment:
         """Train this worker's clients, folding each contribution in as it comes."""
         sizes = self._sizes(p)
         folded = Contributions(sizes, self.device, keep_each=self.config.system.deterministic)
-        rows, new_states = [], {}
+        rows, new_states, vectors = [], {}, []
+        keep = self.alg.gram_weighted(ctx.phase)
         mine = assignment[self.comm.worker_index] if self.comm.is_worker else []
         for c in np.asarray(mine).tolist():
             t0 = time.perf_counter()
@@ -334,10 +343,13 @@ class Experiment:
             if STAT_SIZES_KEYS[0] in sizes:
                 contribution = {**contribution, **stat_contribution(upload.delta)}
             folded.add(contribution)
+            if keep:  # the gram path needs each client's update (host memory: K_w d)
+                vectors.append(upload.delta.detach().float().cpu())
             if upload.state is not None:
                 new_states[c] = {k: v.detach().cpu().numpy() for k, v in upload.state.items()}
             rows.append(self._client_row(c, upload, time.perf_counter() - t0))
-        return folded, np.asarray(rows, dtype=np.float64).reshape(-1, self._row_width()), new_states
+        table = np.asarray(rows, dtype=np.float64).reshape(-1, self._row_width())
+        return folded, table, new_states, vectors
 
     def _public_data(self, t, c, p):
         if not len(self.public):

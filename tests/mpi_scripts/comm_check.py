@@ -39,6 +39,13 @@ led = comm.ledger.take()
 expect = (0, 4 * sum(range(n))) if r == 0 else (4 * r, 0)
 check("gatherv bytes", (led.sent, led.received) == expect)
 
+# rank r sends r + 1 copies of 100 * r + dest to each dest (nothing to itself counts)
+got = comm.alltoallv([np.full(r + 1, 100.0 * r + dest, dtype=np.float32) for dest in range(n)])
+check("alltoallv", [g.tolist() for g in got] == [[100.0 * src + r] * (src + 1) for src in range(n)])
+led = comm.ledger.take()
+check("alltoallv bytes", (led.sent, led.received) ==
+      (4 * (r + 1) * (n - 1), 4 * (sum(range(1, n + 1)) - (r + 1))))
+
 a = np.ones(5)
 comm.allreduce_sum(a)
 check("allreduce", np.all(a == n))

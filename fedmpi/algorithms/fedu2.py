@@ -1,0 +1,217 @@
+"""FedU^2: a flexible uniform regulariser (FUR) on the clients and an efficient unified
+aggregator (EUA) on the server, over a SimCLR, SimSiam or BYOL client.
+
+Liao et al., "Rethinking the Representation in Federated Unsupervised Learning with
+Non-IID Data", CVPR 2024, https://arxiv.org/abs/2403.16398 (code: XeniaLLL/FedU2);
+ALGORITHMS.md section 2.3.
+
+Client k, from the global model: E epochs of the backbone's loss plus the regulariser,
+
+    L = l_ssl(Z^1, Z^2) + lambda_U (l_u(Z^1) + l_u(Z^2)),   Z^v = g(f(x^v)),
+
+with l_u = FUR (fedmpi.algorithms.fur): ``fur = "paper"`` is the unbalanced-OT distance of
+the l2-normalised Z to B fresh uniform-sphere samples at the scale where it is active
+(c = 0.5||z - s||^2, unit mass; the printed scale gives pi* = 0 and no gradient);
+``fur = "code"`` is the released code's tangent-space sliced Wasserstein on the raw
+projections (normalised for SimCLR only), weight 0.01; ``fur = "none"`` is the EUA-only
+ablation. BYOL's target stays on the client as in FedBYOL (EasyFL's convention; the FedU^2
+code averages it with the rest). Upload Delta_k = theta_k - x^t.
+
+Server, ``aggregator = "eua"``: p* = argmin_{p in simplex} p^T G p over the directions
+v_k = -2 Delta_k / s_k (G from the inner products <Delta_k, Delta_l>, computed by the
+runtime where the updates are: fedmpi.runtime.gram), then
+
+    x^{t+1} = x^t - eta_s sum_k p*_k v_k = x^t + eta_s sum_k (2 p*_k / s_k) Delta_k,
+
+s_k = ||Delta_k||^2 (``eua = "paper"``) or ||Delta_k|| (``eua = "code"``, the default);
+fedmpi.algorithms.eua solves the QP exactly. Step length: the paper leaves eta_s open and
+the code uses a fixed server lr (8 in its cross-silo example, for ResNet-18), which sets
+the absolute length of the step (<= 2 eta_s with the code's scaling) whatever the model's
+update sizes: on the 28x28 CNN, where client updates have norm 0.1-0.7, that is 20-100x
+FedAvg's step. ``eua_step = "matched"`` (default) takes eta_s = eta_g mean_k(s_k) / 2,
+the one value for which K identical updates move x exactly as FedAvg does, so the step
+follows the updates' scale; ``eua_step = "fixed"`` with ``eua_lr`` is the code's rule.
+``aggregator = "fedavg"`` is the FUR-only ablation. Messages d down, d up (a deployment
+uploads each model; the simulator's own Gram traffic is in mpi_bytes, not fl_bytes).
+Left out (code-only extras, ALGORITHMS.md 2.3 f6): the rotation-prediction head and the
+"EvenClient" step equalisation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..errors import UsageError
+from ..models.ssl import build_ssl_model
+from . import eua, local_sgd
+from .base import register
+from .byol import BYOLParams
+from .fedbyol import FedBYOL
+from .fedsimsiam import build_predictor_model
+from .fur import STEPS, tangent_sw_uniformity, uot_uniformity
+from .ssl_losses import byol_head, halves, on_projections, simclr_head, simsiam_head
+
+BACKBONES = ("byol", "simclr", "simsiam")
+FUR_VARIANTS = ("paper", "code", "none")
+AGGREGATORS = ("eua", "fedavg")
+EUA_STEPS = ("matched", "fixed")
+LAMBDA_U = {"paper": 0.1, "code": 0.01, "none": 0.0}
+
+
+def _one_of(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise UsageError(f"algorithm.{name}={value!r}: must be one of "
+                         f"{', '.join(map(repr, allowed))}")
+
+
+def _positive(name: str, value, integer: bool = False) -> None:
+    ok = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if isinstance(value, bool) or not ok or not value > 0 or not math.isfinite(value):
+        kind = "a positive integer" if integer else "a positive number"
+        raise UsageError(f"algorithm.{name}={value!r}: must be {kind}")
+
+
+@dataclass(frozen=True)
+class FedU2Params(BYOLParams):
+    backbone: str = field(default="byol", metadata={
+        "doc": "client method: byol | simclr | simsiam (the paper's comparison uses BYOL)"})
+    temperature: float = field(default=0.07, metadata={"doc": "NT-Xent temperature (simclr)"})
+    fur: str = field(default="paper", metadata={
+        "doc": "regulariser: paper (UOT, active scale) | code (tangent sliced W2) | none "
+               "(the EUA-only ablation)"})
+    lambda_u: float | None = field(default=None, metadata={
+        "doc": "regulariser weight; default 0.1 with fur = paper, 0.01 with fur = code"})
+    tau_a: float = field(default=0.8, metadata={"doc": "UOT marginal penalty tau_a (paper)"})
+    tau_b: float = field(default=0.8, metadata={"doc": "UOT marginal penalty tau_b (paper)"})
+    uot_iters: int = field(default=50, metadata={"doc": "UOT projected-descent steps (at most)"})
+    uot_step: str = field(default="eq6", metadata={
+        "doc": "UOT step: eq6 (the paper's) | projected (the projected gradient, faster)"})
+    sw_projections: int = field(default=6, metadata={
+        "doc": "random directions per tangent point (fur = code)"})
+    aggregator: str = field(default="eua", metadata={
+        "doc": "server: eua | fedavg (the FUR-only ablation)"})
+    eua: str = field(default="code", metadata={
+        "doc": "EUA direction scaling: code (Delta / ||Delta||) | paper (Delta / ||Delta||^2)"})
+    eua_step: str = field(default="matched", metadata={
+        "doc": "EUA step length: matched (eta_g mean_k(s_k) / 2, so identical updates move x "
+               "exactly as FedAvg would) | fixed (eua_lr, the code's rule)"})
+    eua_lr: float = field(default=8.0, metadata={
+        "doc": "EUA server step eta_s with eua_step = fixed (the code's cross-silo example: 8)"})
+
+    def __post_init__(self):
+        super().__post_init__()
+        _one_of("backbone", self.backbone, BACKBONES)
+        _one_of("fur", self.fur, FUR_VARIANTS)
+        _one_of("uot_step", self.uot_step, STEPS)
+        _one_of("aggregator", self.aggregator, AGGREGATORS)
+        _one_of("eua", self.eua, eua.VARIANTS)
+        _one_of("eua_step", self.eua_step, EUA_STEPS)
+        for name in ("temperature", "tau_a", "tau_b", "eua_lr"):
+            _positive(name, getattr(self, name))
+        for name in ("uot_iters", "sw_projections"):
+            _positive(name, getattr(self, name), integer=True)
+        if self.lambda_u is None:
+            object.__setattr__(self, "lambda_u", LAMBDA_U[self.fur])
+        if isinstance(self.lambda_u, bool) or not isinstance(self.lambda_u, (int, float)) \
+                or not 0 <= self.lambda_u < math.inf:
+            raise UsageError(f"algorithm.lambda_u={self.lambda_u!r}: must be a number >= 0")
+
+
+def with_uniformity(head, params: FedU2Params):
+    """``head`` + lambda_U (l_u(Z^1) + l_u(Z^2)) on the projections Z of each view."""
+    lam = params.lambda_u
+    if params.fur == "none" or lam == 0:
+        return head
+
+    def fur(z: torch.Tensor) -> torch.Tensor:
+        if params.fur == "paper":
+            return uot_uniformity(F.normalize(z, dim=1), None, params.tau_a, params.tau_b,
+                                  iters=params.uot_iters, step=params.uot_step)
+        if params.backbone == "simclr":
+            z = F.normalize(z, dim=1)
+        return tangent_sw_uniformity(z, None, projections=params.sw_projections)
+
+    def regularised(module, z, both) -> torch.Tensor:
+        z1, z2 = halves(z)
+        return head(module, z, both) + lam * (fur(z1) + fur(z2))
+    return regularised
+
+
+@register
+class FedU2(FedBYOL):
+    name = "fedu2"
+    paper = "Liao et al. 2024, arXiv:2403.16398"
+    Params = FedU2Params
+    # EUA's weights p*: the largest, the smallest, and exp(entropy) (how many clients count)
+    diagnostic_fields = ("eua_weight_max", "eua_weight_min", "eua_clients_effective")
+
+    def __init__(self, params=None):
+        super().__init__(params)
+        self._weights = None   # server: p* of the last EUA step, for ``diagnostics``
+
+    @property
+    def _byol(self) -> bool:
+        return self.params.backbone == "byol"
+
+    def build_model(self, build, name, in_channels, num_classes, image_size, options):
+        if self.params.backbone != "simclr":
+            return build_predictor_model(self.params, name, in_channels, image_size, options)
+        p = self.params
+        options = {k: v for k, v in options.items() if k != "proj_dim"}
+        return build_ssl_model(name, in_channels, image_size, options, proj_dim=p.proj_dim,
+                               hidden=p.proj_hidden, norm=p.head_norm)
+
+    def client_state_sizes(self, d):
+        return super().client_state_sizes(d) if self._byol else {}
+
+    # ---- client ----
+    def loss_head(self, target_module):
+        return with_uniformity(byol_head(target_module), self.params)
+
+    def local_update(self, task, payload, client_state, ctx):
+        if self._byol:
+            return super().local_update(task, payload, client_state, ctx)
+        head = simclr_head(self.params.temperature) if self.params.backbone == "simclr" \
+            else simsiam_head
+        batches = task.data.view_batches(ctx.local_epochs, ctx.batch_size)
+        return local_sgd.local_update(task, payload["x"], ctx, batches=batches,
+                                      loss_fn=on_projections(with_uniformity(head, self.params)))
+
+    # ---- server ----
+    def gram_weighted(self, phase):
+        return self.params.aggregator == "eua"
+
+    def contribution_sizes(self, d):
+        return {"weight": 1} if self.gram_weighted("train") else super().contribution_sizes(d)
+
+    def contribution(self, upload):
+        if not self.gram_weighted("train"):
+            return super().contribution(upload)
+        return {"weight": torch.tensor([float(upload.num_samples)], device=upload.delta.device)}
+
+    def gram_coefficients(self, inner, ctx):
+        norms = np.sqrt(np.clip(np.diag(inner), 0, None))
+        self._weights = eua.eua_weights(inner, self.params.eua, norms)
+        coef = eua.update_coefficients(self._weights, norms, self.params.eua)
+        if self.params.eua_step == "fixed":
+            return self.params.eua_lr * coef
+        scales = norms ** 2 if self.params.eua == "paper" else norms
+        return ctx.global_lr * float(scales.mean()) / 2 * coef
+
+    def server_update(self, state, sums, gathered, ctx):
+        if not self.gram_weighted(ctx.phase):
+            return super().server_update(state, sums, gathered, ctx)
+        state["x"].add_(sums["delta"])   # the coefficients carry the step length
+
+    def diagnostics(self, state, sums, gathered, ctx):
+        p = self._weights
+        if p is None:
+            return {name: math.nan for name in self.diagnostic_fields}
+        positive = p[p > 0]
+        return {"eua_weight_max": float(p.max()), "eua_weight_min": float(p.min()),
+                "eua_clients_effective": float(np.exp(-(positive * np.log(positive)).sum()))}
