@@ -183,6 +183,24 @@ def partition(config_file, preset, overrides, plot):
     click.echo(preview(_resolve(config_file, preset, overrides), plot=plot))
 
 
+@main.command()
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--probe", "probe_names", multiple=True,
+              type=click.Choice(["linear", "finetune", "spectrum"]),
+              help="Probe to run (repeatable); default: the run's eval.probes, else linear "
+                   "and spectrum.")
+@click.option("--set", "overrides", multiple=True, metavar="eval.KEY=VALUE",
+              help="Override an eval field, e.g. --set eval.linear_epochs=50 (repeatable).")
+@click.option("-q", "--quiet", is_flag=True, help="No result line.")
+@one_line_errors
+def evaluate(file, probe_names, overrides, quiet):
+    """Probe the final encoder of a finished self-supervised run in FILE (linear probe,
+    fine-tuning, feature spectrum) and append the result to its /eval group."""
+    from .runtime.probes import evaluate_file
+
+    evaluate_file(file, probe_names, overrides, quiet)
+
+
 # Offline analysis (fedmpi.analysis): paper-style tables, figures, following a live run.
 from .analysis.cli import plot, report, watch  # noqa: E402  (they import cli lazily)
 from .sweep_cli import sweep  # noqa: E402

@@ -15,7 +15,8 @@ Sections of a TOML file (every key optional)::
     [model]      name, channels_last, + model options (e.g. hidden = 256)
     [algorithm]  name, + algorithm parameters (e.g. mu = 0.01)
     [train]      local_epochs, batch_size, lr, lr_decay, weight_decay, clip_norm, global_lr
-    [eval]       every, batch_size
+    [eval]       every, batch_size, update_stats, and for self-supervised runs the probes
+                 (probes, probe_every, linear_epochs, finetune_epochs, finetune_fractions)
     [system]     device, deterministic, threads, state_memory_mb, state_dir, checkpoint_every
 """
 
@@ -98,6 +99,13 @@ class EvalConfig:
     batch_size: int = 250              # also the chunk a worker scores; 250 keeps activations in cache
     update_stats: bool = False         # mean pairwise cosine of client updates and local
                                        # consistency per round (two extra d-vectors summed)
+    # Self-supervised runs: probes of the global encoder into /eval (expensive; kNN runs on
+    # every evaluation round regardless). Any of "linear", "finetune", "spectrum".
+    probes: list = field(default_factory=list)
+    probe_every: int = 0               # rounds between probes; 0 = after the last round only
+    linear_epochs: int = 200           # linear probe: Adam lr 3e-3, batch 512 (FedU^2 code)
+    finetune_epochs: int = 200         # fine-tuning: SGD, batch 128, crop + flip (FedU^2 code)
+    finetune_fractions: list[float] = field(default_factory=lambda: [0.01, 0.1])
 
 
 @dataclass
@@ -152,6 +160,11 @@ def _coerce(field_name: str, value: Any, kind) -> Any:
     optional = kind == (str | None)
     if value is None and optional:
         return None
+    if kind == list[float]:
+        if not isinstance(value, list) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+            raise _fail(field_name, f"expected a list of numbers, got {value!r}")
+        return [float(v) for v in value]
     if kind is list:
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise _fail(field_name, f"expected a list of strings, got {value!r}")
@@ -251,6 +264,7 @@ def validate(c: ExperimentConfig) -> None:
     _one_of("data.public_from", c.data.public_from, {"train", "test"})
     _validate_skew(c)
     _validate_modality(c)
+    _validate_probes(c)
     c.partition.params = partition_params(c.partition.kind, c.partition.params)
     check_dataset_options(c.data.dataset, c.data.options)
     # Resolved = every parameter written out, so the results file says what actually ran.
@@ -276,6 +290,27 @@ def _validate_skew(c: ExperimentConfig) -> None:
     if (cl.replace_prob > 0) != (cl.replace_every > 0):
         raise _fail("clients.replace_prob", "a dynamic population needs both clients.replace_prob "
                     "> 0 and clients.replace_every > 0 (rounds between replacements)")
+
+
+PROBES = ("linear", "finetune", "spectrum")
+
+
+def _validate_probes(c: ExperimentConfig) -> None:
+    """Probes of a self-supervised encoder: known names, sane cadence and fractions."""
+    from . import algorithms
+
+    e = c.eval
+    for probe in e.probes:
+        _one_of("eval.probes", probe, PROBES)
+    _positive("eval.probe_every", e.probe_every, allow_zero=True)
+    for name in ("eval.linear_epochs", "eval.finetune_epochs"):
+        _positive(name, getattr(e, name.split(".")[1]))
+    if not e.finetune_fractions or not all(0 < f <= 1 for f in e.finetune_fractions):
+        raise _fail("eval.finetune_fractions", f"must be fractions in (0, 1], got {e.finetune_fractions}")
+    method = algorithms.REGISTRY.get(c.algorithm.name)
+    if e.probes and method is not None and method.supervised:
+        raise _fail("eval.probes", f"probe a self-supervised encoder; algorithm "
+                    f"{c.algorithm.name!r} trains a classifier (its test_acc is the measure)")
 
 
 def _validate_modality(c: ExperimentConfig) -> None:

@@ -80,3 +80,62 @@ def knn_accuracy(partials, test_y, num_classes: int, k: int = KNN_K,
 
     predictions = knn_merge([p for p in partials if p is not None], k, temperature, num_classes)
     return float((predictions.cpu() == test_y.cpu()).double().mean())
+
+
+# ---- representation probes into /eval (FedU^2's protocols; config eval.probes) ------------
+
+SPECTRUM_CHUNK = 512  # test rows per covariance chunk: fixed, so the bits do not depend on W
+
+
+def probe_tasks(probes, fractions) -> list[tuple[str, float]]:
+    """The sequential trainings of a probe evaluation, dealt to workers round-robin:
+    the linear probe, then one fine-tuning per labelled fraction."""
+    tasks = [("linear", 1.0)] if "linear" in probes else []
+    return tasks + ([("finetune", f) for f in fractions] if "finetune" in probes else [])
+
+
+def probe_column(task: tuple[str, float]) -> str:
+    """/eval column of a task: linear_acc, finetune_1pct_acc, finetune_0.5pct_acc, ..."""
+    kind, fraction = task
+    return "linear_acc" if kind == "linear" else f"finetune_{100 * fraction:g}pct_acc"
+
+
+def run_probe(task, encoder, data, num_classes: int, seed: int, key: int, *,
+              linear_epochs: int, finetune_epochs: int) -> float:
+    """Test accuracy of one probe task on this worker (fedmpi.ssl_eval): ``seed`` fixes
+    the labelled subset (the same at every evaluation), ``key`` the training's draws."""
+    from .ssl_eval import features, fine_tune, linear_probe, stratified_subset
+
+    kind, fraction = task
+    prepare = lambda x: data.prepare(x, None)  # noqa: E731
+    generator = torch.Generator(device=data.device).manual_seed(key)
+    if kind == "linear":
+        train = features(encoder, data.train_x, prepare)
+        test = features(encoder, data.test_x, prepare)
+        return linear_probe(train, data.train_y, test, data.test_y, num_classes, generator,
+                            epochs=linear_epochs)
+    idx = torch.as_tensor(stratified_subset(data.train_y, fraction, seed), device=data.device)
+    result = fine_tune(encoder, data.train_x[idx], data.train_y[idx], data.test_x, data.test_y,
+                       num_classes, generator, prepare=prepare, epochs=finetune_epochs)
+    return result.best
+
+
+def spectrum_worker(encoder, data, worker: int, num_workers: int) -> list:
+    """(chunk, CovarianceSums) of test chunks j = worker, worker + W, ...: l2-normalised
+    encoder features (the kNN monitor's z), SPECTRUM_CHUNK rows each."""
+    from .ssl_eval import covariance_sums, features
+
+    prepare = lambda x: data.prepare(x, None)  # noqa: E731
+    n = len(data.test_y)
+    return [(start // SPECTRUM_CHUNK, covariance_sums(features(
+                encoder, data.test_x[start:start + SPECTRUM_CHUNK], prepare, normalize=True)))
+            for start in range(worker * SPECTRUM_CHUNK, n, num_workers * SPECTRUM_CHUNK)]
+
+
+def spectrum(parts) -> np.ndarray:
+    """Server: singular values (descending) of the feature covariance, chunks in order."""
+    from .ssl_eval import combine_covariance_sums, spectrum_from_sums
+
+    chunks = sorted((c for part in parts for c in part), key=lambda c: c[0])
+    sums = combine_covariance_sums([s for _, s in chunks])
+    return spectrum_from_sums(sums).cpu().numpy()

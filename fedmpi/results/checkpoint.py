@@ -77,19 +77,19 @@ def read(h5file: h5py.File) -> Checkpoint | None:
 
 
 def truncate(h5file: h5py.File, completed_rounds: int) -> None:
-    """Cut /rounds, /clients and /ranks to the rows of rounds 1..completed_rounds.
+    """Cut /rounds, /clients, /ranks and /eval to the rows of rounds 1..completed_rounds.
 
     Rows are appended in round order, so each group is cut at one index; the shortest
     column bounds it (a crash can land between two columns' appends).
     """
-    for name in ("rounds", "clients", "ranks"):
+    for name in ("rounds", "clients", "ranks", "eval"):
         if name not in h5file or "round" not in h5file[name]:
             continue
         columns = list(h5file[name].values())
         n = min(ds.shape[0] for ds in columns)
         keep = int(np.searchsorted(h5file[name]["round"][:n], completed_rounds, side="right"))
         for ds in columns:
-            ds.resize((keep,))
+            ds.resize((keep,) + ds.shape[1:])   # /eval/spectrum is [rows, F]
 
 
 def _write_server(group: h5py.Group, server: dict[str, np.ndarray]) -> None:

@@ -60,6 +60,21 @@ class RunFile:
         """One row per (round, client) participation."""
         return self._columns("clients")
 
+    def evals(self) -> dict[str, np.ndarray]:
+        """/eval: one row per probe evaluation of a representation learner (round,
+        linear_acc, finetune_<p>pct_acc, effective_rank, seconds); empty without probes."""
+        return self._columns("eval") if "eval" in self._file else {}
+
+    def spectrum(self) -> np.ndarray:
+        """/eval/spectrum [evaluations, F]: singular values of the global encoder's feature
+        covariance, descending (NaN rows: not measured); shape (0, 0) without any."""
+        if "eval" not in self._file or "spectrum" not in self._file["eval"]:
+            return np.zeros((0, 0))
+        ds = self._file["eval/spectrum"]
+        if self._file.swmr_mode:
+            ds.refresh()
+        return ds[:len(self.evals().get("round", []))]
+
     def partition(self) -> dict[str, np.ndarray]:
         """client_offsets, client_indices, class_counts, client_sizes (and any extras)."""
         return {name: ds[()] for name, ds in self._file["partition"].items()}

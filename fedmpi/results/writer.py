@@ -124,6 +124,15 @@ class ResultsWriter:
         if n:
             self._append(columns, what, rows, n)
 
+    def append_eval(self, row: dict[str, float], spectrum: np.ndarray | None = None) -> None:
+        """One probe evaluation of a representation learner into /eval (see ``schema``):
+        a row of scalars (``round`` first) and optionally the feature spectrum. Rare and
+        expensive, so written outside SWMR like the model; a column first seen now reads
+        NaN for the earlier rows."""
+        with self.edit() as h5file:
+            append_eval(h5file, row, spectrum)
+            h5file.flush()
+
     def write_model(self, params: np.ndarray, name: str = "final") -> None:
         """Store a flat parameter vector as float32 under /model/<name> (replacing it)."""
         vec = np.asarray(params, dtype=np.float32).reshape(-1)
@@ -203,6 +212,34 @@ class ResultsWriter:
             start = ds.shape[0]
             ds.resize((start + n,))
             ds[start:] = data[name]
+
+
+def append_eval(h5file: h5py.File, row: dict[str, float], spectrum: np.ndarray | None) -> None:
+    """Append one /eval row (and spectrum row) to an open, writable results file."""
+    group = h5file.require_group("eval")
+    group.attrs["schema_version"] = schema.SCHEMA_VERSION
+    fields = json.loads(group.attrs.get("fields", "[]"))
+    n = group["round"].shape[0] if "round" in group else 0
+    for name in row:
+        if name not in fields:
+            fields.append(name)
+            dtype = schema.column_dtype(name)
+            group.create_dataset(name, shape=(n,), maxshape=(None,), dtype=dtype,
+                                 fillvalue=schema.fill_value(name), chunks=(64,))
+    group.attrs["fields"] = json.dumps(fields)
+    for name in fields:
+        ds = group[name]
+        ds.resize((n + 1,))
+        ds[n] = row.get(name, schema.fill_value(name))
+    if spectrum is None and "spectrum" not in group:
+        return
+    values = None if spectrum is None else np.asarray(spectrum, dtype=np.float64).reshape(-1)
+    if "spectrum" not in group:   # rows aligned with /eval rows; NaN where not measured
+        group.create_dataset("spectrum", shape=(n, values.size), maxshape=(None, values.size),
+                             dtype="f8", fillvalue=np.nan, chunks=(1, values.size))
+    ds = group["spectrum"]
+    ds.resize((n + 1, ds.shape[1]))
+    ds[n] = np.nan if values is None else values
 
 
 def _reopen(path: Path) -> h5py.File:

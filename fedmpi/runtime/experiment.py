@@ -36,7 +36,7 @@ from ..evaluation import chunks_of, combine, evaluate_chunks, knn_accuracy, knn_
 from ..flat import FlatModel
 from ..models import build_model
 from ..results import ResultsWriter, RunFile
-from . import gram
+from . import gram, probes
 from .clientdata import DeviceData
 from .federation import federate
 from .plan import place, sample_clients
@@ -250,6 +250,8 @@ class Experiment:
             rows.append(self._phase(t, p, phase, sampled, timers, fl))
         evaluated = (t + 1) % cfg.eval.every == 0 or t == cfg.rounds - 1
         acc, test_loss = self._evaluate(timers) if evaluated else (math.nan, math.nan)
+        if self._probe_round(t):
+            self._probe(t, timers)
         stats = comm.gather_obj(self._rank_stats(timers), count=False)
         if comm.is_server:
             row = self._round_row(t, wall, timers, stats, rows, fl, acc, test_loss, x_before)
@@ -420,14 +422,19 @@ class Experiment:
                     self.store.put(c, s)
 
     # ---- evaluation ---------------------------------------------------------------------
-    def _evaluate(self, timers) -> tuple[float, float]:
-        t0 = time.perf_counter()
-        comm, bs = self.comm, self.config.eval.batch_size
+    def _load_eval_model(self) -> None:
+        """Server -> workers: the parameters to evaluate, into each worker's model."""
+        comm = self.comm
         buf = self.alg.eval_params(self.state).to(torch.float32).contiguous().clone() \
             if comm.is_server else torch.empty(self.d, dtype=torch.float32)
         comm.bcast(buf)
         if comm.is_worker:
             self.flat.load(buf.to(self.device))
+
+    def _evaluate(self, timers) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        comm, bs = self.comm, self.config.eval.batch_size
+        self._load_eval_model()
         if not self.alg.supervised:
             return self._evaluate_knn(timers, t0)
         rows = np.zeros((0, 4))
@@ -451,6 +458,24 @@ class Experiment:
         if not comm.is_server:
             return math.nan, math.nan
         return knn_accuracy(parts, self.test_y, self.num_classes), math.nan
+
+    def _probe_round(self, t: int) -> bool:
+        e = self.config.eval
+        return bool(e.probes) and (t == self.config.rounds - 1
+                                   or (e.probe_every > 0 and (t + 1) % e.probe_every == 0))
+
+    def _probe(self, t: int, timers) -> None:
+        """Probes of the global encoder (eval.probes) into /eval (fedmpi.runtime.probes)."""
+        t0 = time.perf_counter()
+        self._load_eval_model()
+        encoder = self.flat.module.encoder if self.comm.is_worker else None
+        row, values = probes.run(self.comm, encoder, getattr(self, "data", None),
+                                 self.num_classes, self.config, t + 1)
+        timers["eval"] += time.perf_counter() - t0
+        if self.comm.is_server:
+            self.writer.append_eval(row, values)
+            if not self.quiet:
+                print(probes.describe(row), flush=True)
 
     # ---- bookkeeping ----------------------------------------------------------------------
     def _rank_stats(self, timers) -> list[float]:

@@ -1,0 +1,113 @@
+"""Probes of a self-supervised run's global encoder into /eval (config ``eval.probes``).
+
+FedU^2's protocols (ALGORITHMS.md 2.3, fedmpi.ssl_eval): the linear probe on frozen
+features, fine-tuning on 1% / 10% stratified labels, and the singular values of the
+feature covariance (FedU^2 Figure 3). The linear probe and each fine-tuning are whole
+sequential trainings, dealt to workers round-robin; the spectrum's test chunks are sharded
+like the kNN bank. Every task's draws are keyed by (seed, round, task), the labelled subset
+by the fraction only (the same at every evaluation), and chunks are fixed, so a probe gives
+the same bits for any number of workers. Used by the runtime on probe rounds and by
+``fedmpi evaluate`` on a finished run's final model.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..evaluation import probe_column, probe_tasks, run_probe, spectrum, spectrum_worker
+from ..ssl_eval import effective_rank
+from .rng import key_seed
+
+
+def run(comm, encoder, data, num_classes: int, config, round_: int):
+    """Every rank calls this with the evaluated model loaded on the workers; returns
+    (/eval row, spectrum or None) on the server and (None, None) elsewhere."""
+    t0 = time.perf_counter()
+    e, seed = config.eval, config.seed
+    results, chunks = {}, []
+    if comm.is_worker:
+        for i, task in enumerate(probe_tasks(e.probes, e.finetune_fractions)):
+            if i % comm.num_workers != comm.worker_index:
+                continue
+            subset_seed = key_seed(seed, "labelled", round(task[1] * 1e6))
+            results[probe_column(task)] = run_probe(
+                task, encoder, data, num_classes, subset_seed, key_seed(seed, "probe", round_, i),
+                linear_epochs=e.linear_epochs, finetune_epochs=e.finetune_epochs)
+        if "spectrum" in e.probes:
+            chunks = spectrum_worker(encoder, data, comm.worker_index, comm.num_workers)
+    parts = comm.gather_obj((results, chunks))
+    if not comm.is_server:
+        return None, None
+    row, values = {"round": round_}, None
+    for part, _ in parts:
+        row.update(part)
+    if "spectrum" in e.probes:
+        values = spectrum([c for _, c in parts])
+        row["effective_rank"] = effective_rank(torch.from_numpy(values))
+    row["seconds"] = time.perf_counter() - t0
+    return row, values
+
+
+def describe(row: dict) -> str:
+    shown = "  ".join(f"{k} {v:.4f}" for k, v in row.items() if k not in ("round", "seconds", "posthoc"))
+    return f"probes after round {row['round']}: {shown}  ({row['seconds']:.0f} s)"
+
+
+DEFAULT_POSTHOC = ("linear", "spectrum")
+
+
+def evaluate_file(path, probe_names=(), overrides=(), quiet: bool = False) -> dict:
+    """``fedmpi evaluate``: probe the final model of a finished self-supervised run (one
+    process) and append the row to the file's /eval. ``probe_names`` default to the
+    run's eval.probes, else linear + spectrum; ``overrides`` are eval.<field>=<value>."""
+    from .. import algorithms
+    from ..comm import LocalComm
+    from ..config import apply_overrides, from_dict, parse_override
+    from ..data import load_dataset
+    from ..errors import UsageError
+    from ..flat import FlatModel
+    from ..models import build_model
+    from ..results import RunFile
+    from ..results.writer import _reopen, append_eval
+    from .clientdata import DeviceData
+    from .system import choose_device, choose_threads
+
+    for text in overrides:
+        if parse_override(text)[0][0] != "eval":
+            raise UsageError(f"--set {text!r}: evaluate takes eval.<field> only")
+    with RunFile(path) as done:
+        values, status, names = done.config, done.status, done.model_names()
+        if "final" not in names:
+            raise UsageError(f"{path}: no final model (status {status!r}); evaluate a completed run")
+        vector = done.model("final")
+        completed = int(done.rounds()["round"][-1])
+    values = apply_overrides(values, list(overrides))
+    values.setdefault("eval", {})["probes"] = list(
+        probe_names or values["eval"].get("probes") or DEFAULT_POSTHOC)
+    config = from_dict(values)
+    alg = algorithms.build(config.algorithm.name, config.algorithm.params)
+    if alg.supervised:
+        raise UsageError(f"{path}: algorithm {config.algorithm.name!r} is supervised; "
+                         f"probes are for self-supervised encoders")
+    device = choose_device(config.system.device, True, 0)
+    torch.set_num_threads(choose_threads(config.system.threads, config.system.deterministic, True, 1))
+    dataset = load_dataset(config.data.dataset, config.data.data_dir, seed=config.seed,
+                           **config.data.options)
+    module = alg.build_model(build_model, config.model.name, dataset.in_channels,
+                             dataset.num_classes, dataset.image_size, config.model.options)
+    flat = FlatModel(module, device)               # standard layout: the file's order
+    flat.load(torch.from_numpy(vector).to(device))
+    data = DeviceData(dataset, device, augment=False, crop_padding=0, flip=False,
+                      channels_last=False)
+    row, values = run(LocalComm(), flat.module.encoder, data, dataset.num_classes, config, completed)
+    row["posthoc"] = 1.0
+    h5file = _reopen(path)
+    try:
+        append_eval(h5file, row, values)
+    finally:
+        h5file.close()
+    if not quiet:
+        print(describe(row), flush=True)
+    return row
