@@ -144,7 +144,7 @@ def _timing(rounds: dict) -> list[tuple[str, str]]:
 
 
 # --columns choices, in display order; acc needs --at, rounds needs --target.
-COLUMNS = ("acc", "final", "best", "rounds", "traffic", "time", "kappa", "rho")
+COLUMNS = ("acc", "final", "best", "rounds", "traffic", "time", "kappa", "rho", "probes")
 _NUMBER_COLUMNS = {"traffic": ("traffic_mb", "traffic MB"), "time": ("time_s", "time s"),
                    "kappa": ("kappa", "kappa"), "rho": ("rho", "rho")}
 
@@ -157,8 +157,10 @@ def report_table(runs, group_by=None, at=(), targets=(), smooth=None, columns=No
         raise UsageError(f"--format {fmt!r}: allowed are {', '.join(render.FORMATS)}")
     keys = list(group_by) if group_by else group_keys(runs)
     rows = group_table(runs, keys, at, targets, smooth)
-    chosen = _choose(columns, at, targets)
-    specs = _metric_specs(chosen, at, targets)
+    probes = sorted((k[:-len("_mean")] for k in (rows[0] if rows else {})
+                     if k.endswith("_mean") and _is_probe(k[:-len("_mean")])), key=_probe_order)
+    chosen = _choose(columns, at, targets, bool(probes))
+    specs = _metric_specs(chosen, at, targets, probes)
     if fmt == "csv":
         return render.csv_table(rows, keys + ["status", "n"] + [f for spec in specs for f in spec[2]])
     show_status = any(row["status"] != "completed" for row in rows)
@@ -171,10 +173,25 @@ def report_table(runs, group_by=None, at=(), targets=(), smooth=None, columns=No
     return table + "\n\n" + _notes(chosen, smooth, show_status)
 
 
-def _choose(columns, at, targets) -> list[str]:
+PROBE_ORDER = ("linear_acc", "effective_rank")
+
+
+def _is_probe(name: str) -> bool:
+    return name in PROBE_ORDER or (name.startswith("finetune_") and name.endswith("pct_acc"))
+
+
+def _probe_order(name: str) -> tuple:
+    """linear, the fine-tunings by fraction, then the effective rank."""
+    if name.startswith("finetune_"):
+        return (1, float(name[len("finetune_"):-len("pct_acc")]))
+    return (0 if name == "linear_acc" else 2, 0.0)
+
+
+def _choose(columns, at, targets, probes: bool = False) -> list[str]:
     """Chosen columns in display order; by default everything the options give numbers for."""
     if not columns:
-        return [c for c in COLUMNS if (c != "acc" or at) and (c != "rounds" or targets)]
+        return [c for c in COLUMNS if (c != "acc" or at) and (c != "rounds" or targets)
+                and (c != "probes" or probes)]
     unknown = [c for c in columns if c not in COLUMNS]
     if unknown:
         raise UsageError(f"--columns: unknown column {unknown[0]!r}; allowed: {', '.join(COLUMNS)}")
@@ -185,11 +202,21 @@ def _choose(columns, at, targets) -> list[str]:
     return [c for c in COLUMNS if c in columns]
 
 
-def _metric_specs(chosen, at, targets) -> list[tuple]:
+def _metric_specs(chosen, at, targets, probes=()) -> list[tuple]:
     """(header, row -> display cell, raw CSV fields) per displayed column."""
     specs = []
     for name in chosen:
-        if name == "acc":
+        if name == "probes":
+            for field in probes:
+                if field == "effective_rank":
+                    specs.append(("eff. rank", lambda row: render.stat(row["effective_rank_mean"],
+                                                                       row["effective_rank_std"]),
+                                  ["effective_rank_mean", "effective_rank_std"]))
+                else:
+                    header = "linear %" if field == "linear_acc" else \
+                        f"FT@{field[len('finetune_'):-len('pct_acc')]}% %"
+                    specs.append(_acc_spec(header, field))
+        elif name == "acc":
             specs += [_acc_spec(f"acc@{r} %", f"acc@{r}") for r in at]
         elif name in ("final", "best"):
             specs.append(_acc_spec(f"{name} %", f"{name}_acc"))
@@ -229,6 +256,9 @@ def _notes(chosen, smooth, show_status) -> str:
     if units:
         ratio = " (FNR-FL; acc = final accuracy as a fraction)" if {"kappa", "rho"} & set(chosen) else ""
         notes.append("; ".join(units) + ratio)
+    if "probes" in chosen:
+        notes.append("probes of the final encoder (/eval): linear probe, fine-tuning on FT x% "
+                     "labels, effective rank of the feature spectrum; test_acc is kNN accuracy")
     if show_status:
         notes.append("runs that did not complete are grouped apart by their status")
     return "\n".join(notes)

@@ -80,8 +80,11 @@ def report(sources, strict, group_by, smooth, at, target, fmt, columns, complete
 @click.option("--x", "x_axis", default="round", metavar="round|traffic|time",
               help="x axis: round, cumulative FL traffic (MB) or wall time (s); default round.")
 @click.option("--title", help="Figure title (default: the settings all runs share).")
+@click.option("--spectrum", is_flag=True,
+              help="Plot the feature spectrum of self-supervised runs instead (/eval: the top "
+                   "100 singular values, log10, of each run's last probe; FedU^2 Figure 3).")
 @_one_line_errors
-def plot(sources, strict, group_by, smooth, output, x_axis, title):
+def plot(sources, strict, group_by, smooth, output, x_axis, title, spectrum):
     """Plot test accuracy of runs against rounds, FL traffic or wall time into one figure.
 
     One line per run, or with --group-by one line per group (the mean, with a band of
@@ -93,7 +96,7 @@ def plot(sources, strict, group_by, smooth, output, x_axis, title):
         raise UsageError("fedmpi plot needs -o FILE, e.g. -o fig.png")
     runs = load_runs(sources, strict, False)
     path = save_plot(runs, output, x=x_axis, group_by=list(group_by), smooth=parse_smooth(smooth),
-                     title=title)
+                     title=title, spectrum=spectrum)
     click.echo(f"wrote {path}")
 
 

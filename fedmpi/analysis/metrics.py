@@ -141,11 +141,28 @@ def _ratio(acc: float, denominator: float) -> float:
     return acc * 1e4 / denominator
 
 
+PROBE_SKIP = ("round", "seconds", "posthoc")
+
+
+def probe_results(run) -> dict[str, float]:
+    """A self-supervised run's probes (/eval): per column (linear_acc, finetune_<p>pct_acc,
+    effective_rank) its last measured value, whichever evaluation measured it; {} without."""
+    evals = getattr(run, "evals", None) or {}
+    out = {}
+    for name, values in evals.items():
+        finite = np.asarray(values, dtype=float)
+        finite = finite[np.isfinite(finite)]
+        if name not in PROBE_SKIP and finite.size:
+            out[name] = float(finite[-1])
+    return out
+
+
 def summary(run, at=(), targets=(), smooth: float | None = None) -> dict:
     """Every per-run number in one flat dict (the columns of ``runs_table``).
 
     Keys: rounds_done, final_acc, best_acc, acc@R per ``at``, rounds_to_T per ``targets``
-    (None if never reached), traffic_mb, time_s, kappa, rho.
+    (None if never reached), traffic_mb, time_s, kappa, rho, and the probes of a
+    self-supervised run (``probe_results``).
     """
     out = {"rounds_done": last_round(run),
            "final_acc": final_accuracy(run, smooth),
@@ -153,6 +170,7 @@ def summary(run, at=(), targets=(), smooth: float | None = None) -> dict:
     out.update({f"acc@{r}": accuracy_at(run, r, smooth) for r in at})
     out.update({f"rounds_to_{target_name(t)}": rounds_to(run, t, smooth) for t in targets})
     out.update(traffic_mb=total_traffic_mb(run), time_s=wall_time(run), kappa=kappa(run), rho=rho(run))
+    out.update(probe_results(run))
     return out
 
 

@@ -1,4 +1,5 @@
-"""Accuracy curves of many runs in one figure: against rounds, FL traffic or wall time.
+"""Accuracy curves of many runs in one figure: against rounds, FL traffic or wall time;
+or (``spectrum=True``) the feature spectra of self-supervised runs (FedU^2 Figure 3).
 
 ``plot_accuracy(runs, ax)`` draws into a matplotlib Axes a notebook already has;
 ``save_plot(runs, path)`` makes a figure and writes it (PNG, PDF, SVG: by suffix).
@@ -51,8 +52,33 @@ def plot_accuracy(runs, ax, x: str = "round", group_by=None, smooth: float | Non
     return ax
 
 
+def plot_spectrum(runs, ax, top: int = 100):
+    """FedU^2 Figure 3: the top singular values (log10) of each run's feature covariance,
+    from its last probe that measured the spectrum (/eval/spectrum)."""
+    keys = differing_keys(runs) + (["seed"] if len({r.get("seed") for r in runs}) > 1 else [])
+    drawn = 0
+    for run in runs:
+        rows = [(int(r), v) for r, v in zip(run.evals.get("round", ()), run.spectrum)
+                if np.isfinite(v).all()]
+        if not rows:
+            continue
+        round_, values = rows[-1]
+        values = np.clip(values[:top], 1e-12, None)
+        ax.plot(np.arange(1, len(values) + 1), np.log10(values),
+                label=f"{_label(run, keys or ['algorithm.name'])} (round {round_})")
+        drawn += 1
+    if not drawn:
+        raise UsageError("no run has a feature spectrum: set eval.probes = [\"spectrum\"] "
+                         "or run fedmpi evaluate FILE --probe spectrum")
+    ax.set_xlabel("singular value index")
+    ax.set_ylabel("log10 singular value (feature covariance)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    return ax
+
+
 def save_plot(runs, path, x: str = "round", group_by=None, smooth: float | None = None,
-              title: str | None = None) -> Path:
+              title: str | None = None, spectrum: bool = False) -> Path:
     """Write the figure to ``path``; the format comes from its suffix (.png, .pdf, .svg)."""
     figure, canvas = _figure()
     path = Path(path)
@@ -61,7 +87,10 @@ def save_plot(runs, path, x: str = "round", group_by=None, smooth: float | None 
         raise UsageError(f"plot file {path}: the name must end in a format matplotlib writes, "
                          f"e.g. .png, .pdf, .svg (allowed: {', '.join(sorted(formats))})")
     ax = figure.add_subplot()
-    plot_accuracy(runs, ax, x, group_by, smooth)
+    if spectrum:
+        plot_spectrum(runs, ax)
+    else:
+        plot_accuracy(runs, ax, x, group_by, smooth)
     ax.set_title(title if title is not None else default_title(runs), fontsize="medium")
     figure.tight_layout()
     try:

@@ -60,6 +60,19 @@ class Run:
             return latest_rows(f.ranks(), by_block=True)
 
     @cached_property
+    def evals(self) -> dict[str, np.ndarray]:
+        """/eval: one row per probe evaluation of a self-supervised encoder (linear_acc,
+        finetune_<p>pct_acc, effective_rank, ...); empty without probes."""
+        with open_run(self.path) as f:
+            return f.evals()
+
+    @cached_property
+    def spectrum(self) -> np.ndarray:
+        """/eval/spectrum: [evaluations, F] singular values, rows aligned with ``evals``."""
+        with open_run(self.path) as f:
+            return f.spectrum()
+
+    @cached_property
     def partition(self) -> dict[str, np.ndarray]:
         """client_offsets, client_indices, class_counts, client_sizes and any extras."""
         with open_run(self.path) as f:

@@ -101,14 +101,14 @@ def group_table(runs: list[Run], group_by=None, at=(), targets=(), smooth=None) 
     for row in per_run:
         groups.setdefault(tuple(_canonical(row[k]) for k in keys) + (row["status"],), []).append(row)
     ordered = sorted(groups.values(), key=lambda rows: _sort_key(rows[0], keys))
-    names = [k for k in per_run[0] if k not in ("run", "status", *keys)]
+    names = list(dict.fromkeys(k for row in per_run for k in row if k not in ("run", "status", *keys)))
     return [_aggregate(rows, keys, names) for rows in ordered]
 
 
 def _aggregate(rows: list[dict], keys: list[str], names: list[str]) -> dict:
     out = {**{k: rows[0][k] for k in keys}, "status": rows[0]["status"], "n": len(rows)}
     for name in names:
-        values = [r[name] for r in rows if r[name] is not None and math.isfinite(r[name])]
+        values = [r[name] for r in rows if r.get(name) is not None and math.isfinite(r[name])]
         out[f"{name}_mean"], out[f"{name}_std"] = _mean_std(values)
         if name.startswith("rounds_to_"):
             out[f"{name}_reached"] = len(values)

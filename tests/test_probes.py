@@ -1,0 +1,143 @@
+"""Probes of self-supervised encoders into /eval: cadence, columns, spectrum, single
+process vs `mpirun -n 3` bitwise, `fedmpi evaluate` on a finished run, resume cuts,
+and one-line errors for bad probe settings."""
+
+import sys
+
+import h5py
+import numpy as np
+import pytest
+
+from fedmpi import config as cfgmod
+from fedmpi.comm import LocalComm
+from fedmpi.errors import UsageError
+from fedmpi.results import RunFile
+from fedmpi.results.checkpoint import truncate
+from fedmpi.results.writer import append_eval
+from fedmpi.runtime import run_experiment
+
+from conftest import fedmpi, mpirun, needs_mpi
+from helpers import TINY, merged, write_config
+
+PROBED = {
+    "name": "probed", "seed": 5, "rounds": 3,
+    "data": {"dataset": "synthetic", "num_train": 800, "num_test": 300, "size": 16},
+    "partition": {"kind": "dirichlet", "alpha": 0.5},
+    "clients": {"num": 4, "per_round": 4},
+    "model": {"name": "cnn", "hidden": 32, "channels": [4, 8]},
+    "algorithm": {"name": "fedsimclr", "proj_dim": 16, "proj_hidden": 32},
+    "train": {"batch_size": 64, "lr": 0.05},
+    "eval": {"every": 3, "probes": ["linear", "finetune", "spectrum"], "probe_every": 2,
+             "linear_epochs": 200, "finetune_epochs": 2, "finetune_fractions": [0.05, 0.25]},
+    "system": {"deterministic": True},
+}
+COLUMNS = ["round", "linear_acc", "finetune_5pct_acc", "finetune_25pct_acc", "effective_rank",
+           "seconds"]
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    out = tmp_path_factory.mktemp("probes") / "one.h5"
+    run_experiment(cfgmod.from_dict(merged(PROBED, output=str(out))), LocalComm(), quiet=True)
+    return out
+
+
+def test_probes_land_in_eval_at_the_cadence_and_the_last_round(single):
+    with RunFile(single) as run:
+        evals, spectrum = run.evals(), run.spectrum()
+    assert list(evals) == COLUMNS
+    assert evals["round"].tolist() == [2, 3]
+    for column in COLUMNS[1:4]:
+        assert np.all((evals[column] >= 0) & (evals[column] <= 1))
+    assert evals["linear_acc"][-1] > 0.2        # 10 classes: well above chance
+    assert spectrum.shape == (2, 32)            # one row per evaluation, the encoder's width
+    assert np.all(np.diff(spectrum, axis=1) <= 0) and np.all(spectrum >= 0)
+    assert np.all((evals["effective_rank"] > 1) & (evals["effective_rank"] <= 32))
+
+
+@needs_mpi
+def test_mpirun_probes_are_bitwise_the_single_process(single, tmp_path):
+    config = write_config(tmp_path / "c.toml", PROBED)
+    out = tmp_path / "n3.h5"
+    mpirun(3, [sys.executable, "-m", "fedmpi", "run", "-q", str(config), "-o", str(out)])
+    with RunFile(single) as a, RunFile(out) as b:
+        for column in COLUMNS[:-1]:
+            assert np.array_equal(a.evals()[column], b.evals()[column]), column
+        assert np.array_equal(a.spectrum(), b.spectrum())
+
+
+def test_evaluate_a_finished_run_repeats_the_last_probe(single, tmp_path):
+    copy = tmp_path / "copy.h5"
+    copy.write_bytes(single.read_bytes())
+    proc = fedmpi(["evaluate", str(copy), "--probe", "linear", "--probe", "spectrum",
+                   "--set", "eval.linear_epochs=200"], check=True)
+    assert "linear_acc" in proc.stdout
+    with RunFile(copy) as run:
+        evals, spectrum = run.evals(), run.spectrum()
+    assert evals["round"].tolist() == [2, 3, 3]
+    assert evals["posthoc"][-1] == 1 and np.isnan(evals["posthoc"][0])
+    assert evals["linear_acc"][-1] == evals["linear_acc"][1]      # same model, same draws
+    assert np.isnan(evals["finetune_5pct_acc"][-1])                # not asked for
+    np.testing.assert_allclose(spectrum[-1], spectrum[1], rtol=1e-5, atol=1e-9)
+
+
+def test_eval_rows_after_a_checkpoint_are_cut_on_resume(tmp_path):
+    path = tmp_path / "f.h5"
+    with h5py.File(path, "w") as h5file:
+        for r in (2, 4, 6):
+            append_eval(h5file, {"round": r, "linear_acc": r / 10}, np.arange(3.0) + r)
+        append_eval(h5file, {"round": 7, "linear_acc": 0.7}, None)   # no spectrum this time
+        assert np.isnan(h5file["eval/spectrum"][3]).all()
+        truncate(h5file, 4)
+        assert h5file["eval/round"][:].tolist() == [2, 4]
+        assert h5file["eval/spectrum"].shape == (2, 3)
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"eval": {"probes": ["linear", "tsne"]}}, "eval.probes"),
+    ({"eval": {"probes": ["linear"], "finetune_fractions": [0.0]}}, "eval.finetune_fractions"),
+    ({"eval": {"probes": ["linear"], "finetune_fractions": ["1%"]}}, "eval.finetune_fractions"),
+    ({"eval": {"probes": ["linear"], "linear_epochs": 0}}, "eval.linear_epochs"),
+    ({"eval": {"probes": ["linear"], "probe_every": -1}}, "eval.probe_every"),
+    ({"eval": {"probes": ["linear"]}, "algorithm": {"name": "fedavg"}}, "eval.probes"),
+])
+def test_bad_probe_settings_name_the_field(changes, field):
+    base = merged(PROBED, algorithm={"name": "fedsimclr"})
+    values = merged(base, **{k: {**base.get(k, {}), **v} for k, v in changes.items()})
+    if changes.get("algorithm", {}).get("name") == "fedavg":
+        values["algorithm"] = {"name": "fedavg"}
+    with pytest.raises(UsageError, match=field.replace(".", r"\.")):
+        cfgmod.from_dict(values)
+
+
+def test_evaluate_refuses_supervised_runs_and_other_fields(tmp_path):
+    out = tmp_path / "sup.h5"
+    fedmpi(["run", "-q", str(write_config(tmp_path / "t.toml", TINY, rounds=1)), "-o", str(out)],
+           check=True)
+    proc = fedmpi(["evaluate", str(out)])
+    assert proc.returncode == 2 and "supervised" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    proc = fedmpi(["evaluate", str(out), "--set", "train.lr=1"])
+    assert proc.returncode == 2 and "eval.<field>" in proc.stderr
+
+
+def test_report_shows_the_probes_and_plot_draws_the_spectrum(single, tmp_path):
+    pytest.importorskip("matplotlib")
+    out = fedmpi(["report", str(single), "--group-by", "algorithm.name"], check=True).stdout
+    for header in ("linear %", "FT@5% %", "FT@25% %", "eff. rank"):
+        assert header in out
+    with RunFile(single) as run:
+        assert f"{100 * run.evals()['linear_acc'][-1]:.2f}" in out
+    png = tmp_path / "spectrum.png"
+    fedmpi(["plot", str(single), "--spectrum", "-o", str(png)], check=True)
+    assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plot_spectrum_of_runs_without_probes_is_one_line(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "sup.h5"
+    fedmpi(["run", "-q", str(write_config(tmp_path / "t.toml", TINY, rounds=1)), "-o", str(out)],
+           check=True)
+    proc = fedmpi(["plot", str(out), "--spectrum", "-o", str(tmp_path / "s.png")])
+    assert proc.returncode == 2 and "spectrum" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
