@@ -16,7 +16,8 @@ Sections of a TOML file (every key optional)::
     [algorithm]  name, + algorithm parameters (e.g. mu = 0.01)
     [train]      local_epochs, batch_size, lr, lr_decay, weight_decay, clip_norm, global_lr
     [eval]       every, batch_size, update_stats, and for self-supervised runs the probes
-                 (probes, probe_every, linear_epochs, finetune_epochs, finetune_fractions)
+                 (probes, probe_every, linear_epochs, finetune_epochs, finetune_fractions,
+                 local_spectra)
     [system]     device, deterministic, threads, state_memory_mb, state_dir, checkpoint_every
 """
 
@@ -106,6 +107,8 @@ class EvalConfig:
     linear_epochs: int = 200           # linear probe: Adam lr 3e-3, batch 512 (FedU^2 code)
     finetune_epochs: int = 200         # fine-tuning: SGD, batch 128, crop + flip (FedU^2 code)
     finetune_fractions: list[float] = field(default_factory=lambda: [0.01, 0.1])
+    local_spectra: bool = False        # also the spectrum of each client's local model on probe
+                                       # rounds (FedU^2 Figure 3's local models), /local_spectra
 
 
 @dataclass
@@ -308,6 +311,9 @@ def _validate_probes(c: ExperimentConfig) -> None:
     if not e.finetune_fractions or not all(0 < f <= 1 for f in e.finetune_fractions):
         raise _fail("eval.finetune_fractions", f"must be fractions in (0, 1], got {e.finetune_fractions}")
     method = algorithms.REGISTRY.get(c.algorithm.name)
+    if e.local_spectra and "spectrum" not in e.probes:
+        raise _fail("eval.local_spectra", 'needs "spectrum" in eval.probes (local spectra are '
+                    'taken on probe rounds)')
     if e.probes and method is not None and method.supervised:
         raise _fail("eval.probes", f"probe a self-supervised encoder; algorithm "
                     f"{c.algorithm.name!r} trains a classifier (its test_acc is the measure)")

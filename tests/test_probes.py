@@ -28,7 +28,8 @@ PROBED = {
     "algorithm": {"name": "fedsimclr", "proj_dim": 16, "proj_hidden": 32},
     "train": {"batch_size": 64, "lr": 0.05},
     "eval": {"every": 3, "probes": ["linear", "finetune", "spectrum"], "probe_every": 2,
-             "linear_epochs": 200, "finetune_epochs": 2, "finetune_fractions": [0.05, 0.25]},
+             "linear_epochs": 200, "finetune_epochs": 2, "finetune_fractions": [0.05, 0.25],
+             "local_spectra": True},
     "system": {"deterministic": True},
 }
 COLUMNS = ["round", "linear_acc", "finetune_5pct_acc", "finetune_25pct_acc", "effective_rank",
@@ -53,6 +54,13 @@ def test_probes_land_in_eval_at_the_cadence_and_the_last_round(single):
     assert spectrum.shape == (2, 32)            # one row per evaluation, the encoder's width
     assert np.all(np.diff(spectrum, axis=1) <= 0) and np.all(spectrum >= 0)
     assert np.all((evals["effective_rank"] > 1) & (evals["effective_rank"] <= 32))
+    with RunFile(single) as run:
+        local, clients = run.local_spectra(), run.clients()
+    # every participant of a probe round: its local model's spectrum, clients ascending
+    for r in (2, 3):
+        assert local["client"][local["round"] == r].tolist() == sorted(clients["client"][clients["round"] == r])
+    assert local["spectrum"].shape == (len(local["round"]), 32)
+    assert not np.array_equal(local["spectrum"][-1], spectrum[-1])   # local != global model
 
 
 @needs_mpi
@@ -64,6 +72,8 @@ def test_mpirun_probes_are_bitwise_the_single_process(single, tmp_path):
         for column in COLUMNS[:-1]:
             assert np.array_equal(a.evals()[column], b.evals()[column]), column
         assert np.array_equal(a.spectrum(), b.spectrum())
+        for key in ("round", "client", "spectrum"):
+            assert np.array_equal(a.local_spectra()[key], b.local_spectra()[key]), key
 
 
 def test_evaluate_a_finished_run_repeats_the_last_probe(single, tmp_path):
@@ -88,9 +98,12 @@ def test_eval_rows_after_a_checkpoint_are_cut_on_resume(tmp_path):
             append_eval(h5file, {"round": r, "linear_acc": r / 10}, np.arange(3.0) + r)
         append_eval(h5file, {"round": 7, "linear_acc": 0.7}, None)   # no spectrum this time
         assert np.isnan(h5file["eval/spectrum"][3]).all()
+        append_eval(h5file, {"round": 8}, None, {3: np.ones(3), 1: np.zeros(3)})
+        assert h5file["local_spectra/client"][:].tolist() == [1, 3]
         truncate(h5file, 4)
         assert h5file["eval/round"][:].tolist() == [2, 4]
         assert h5file["eval/spectrum"].shape == (2, 3)
+        assert h5file["local_spectra/spectrum"].shape == (0, 3)
 
 
 @pytest.mark.parametrize("changes, field", [
@@ -99,6 +112,7 @@ def test_eval_rows_after_a_checkpoint_are_cut_on_resume(tmp_path):
     ({"eval": {"probes": ["linear"], "finetune_fractions": ["1%"]}}, "eval.finetune_fractions"),
     ({"eval": {"probes": ["linear"], "linear_epochs": 0}}, "eval.linear_epochs"),
     ({"eval": {"probes": ["linear"], "probe_every": -1}}, "eval.probe_every"),
+    ({"eval": {"probes": ["linear"], "local_spectra": True}}, "eval.local_spectra"),
     ({"eval": {"probes": ["linear"]}, "algorithm": {"name": "fedavg"}}, "eval.probes"),
 ])
 def test_bad_probe_settings_name_the_field(changes, field):

@@ -77,12 +77,13 @@ def read(h5file: h5py.File) -> Checkpoint | None:
 
 
 def truncate(h5file: h5py.File, completed_rounds: int) -> None:
-    """Cut /rounds, /clients, /ranks and /eval to the rows of rounds 1..completed_rounds.
+    """Cut /rounds, /clients, /ranks, /eval and /local_spectra to the rows of rounds
+    1..completed_rounds.
 
     Rows are appended in round order, so each group is cut at one index; the shortest
     column bounds it (a crash can land between two columns' appends).
     """
-    for name in ("rounds", "clients", "ranks", "eval"):
+    for name in ("rounds", "clients", "ranks", "eval", "local_spectra"):
         if name not in h5file or "round" not in h5file[name]:
             continue
         columns = list(h5file[name].values())

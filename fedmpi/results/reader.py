@@ -75,6 +75,19 @@ class RunFile:
             ds.refresh()
         return ds[:len(self.evals().get("round", []))]
 
+    def local_spectra(self) -> dict[str, np.ndarray]:
+        """/local_spectra (eval.local_spectra): round, client, spectrum [rows, F]: the
+        feature spectrum of each client's local model on probe rounds; {} without."""
+        if "local_spectra" not in self._file:
+            return {}
+        group = self._file["local_spectra"]
+        out = {}
+        for name in ("round", "client", "spectrum"):
+            if self._file.swmr_mode:
+                group[name].refresh()
+            out[name] = group[name][()]
+        return out
+
     def partition(self) -> dict[str, np.ndarray]:
         """client_offsets, client_indices, class_counts, client_sizes (and any extras)."""
         return {name: ds[()] for name, ds in self._file["partition"].items()}

@@ -124,13 +124,15 @@ class ResultsWriter:
         if n:
             self._append(columns, what, rows, n)
 
-    def append_eval(self, row: dict[str, float], spectrum: np.ndarray | None = None) -> None:
+    def append_eval(self, row: dict[str, float], spectrum: np.ndarray | None = None,
+                    local: dict | None = None) -> None:
         """One probe evaluation of a representation learner into /eval (see ``schema``):
-        a row of scalars (``round`` first) and optionally the feature spectrum. Rare and
-        expensive, so written outside SWMR like the model; a column first seen now reads
-        NaN for the earlier rows."""
+        a row of scalars (``round`` first), optionally the feature spectrum, and the
+        spectra of clients' local models ({client: values}, into /local_spectra). Rare
+        and expensive, so written outside SWMR like the model; a column first seen now
+        reads NaN for the earlier rows."""
         with self.edit() as h5file:
-            append_eval(h5file, row, spectrum)
+            append_eval(h5file, row, spectrum, local)
             h5file.flush()
 
     def write_model(self, params: np.ndarray, name: str = "final") -> None:
@@ -214,8 +216,12 @@ class ResultsWriter:
             ds[start:] = data[name]
 
 
-def append_eval(h5file: h5py.File, row: dict[str, float], spectrum: np.ndarray | None) -> None:
-    """Append one /eval row (and spectrum row) to an open, writable results file."""
+def append_eval(h5file: h5py.File, row: dict[str, float], spectrum: np.ndarray | None,
+                local: dict | None = None) -> None:
+    """Append one /eval row (and spectrum row, and /local_spectra rows) to an open,
+    writable results file."""
+    if local:
+        _append_local_spectra(h5file, int(row["round"]), local)
     group = h5file.require_group("eval")
     group.attrs["schema_version"] = schema.SCHEMA_VERSION
     fields = json.loads(group.attrs.get("fields", "[]"))
@@ -240,6 +246,25 @@ def append_eval(h5file: h5py.File, row: dict[str, float], spectrum: np.ndarray |
     ds = group["spectrum"]
     ds.resize((n + 1, ds.shape[1]))
     ds[n] = np.nan if values is None else values
+
+
+def _append_local_spectra(h5file: h5py.File, round_: int, local: dict) -> None:
+    """/local_spectra: round, client, spectrum [rows, F]: one row per client model."""
+    group = h5file.require_group("local_spectra")
+    clients = sorted(local)
+    values = np.stack([np.asarray(local[c], dtype=np.float64).reshape(-1) for c in clients])
+    if "round" not in group:
+        group.attrs["schema_version"] = schema.SCHEMA_VERSION
+        group.attrs["fields"] = json.dumps(["round", "client"])
+        for name in ("round", "client"):
+            group.create_dataset(name, shape=(0,), maxshape=(None,), dtype="i8", chunks=(64,))
+        group.create_dataset("spectrum", shape=(0, values.shape[1]), maxshape=(None, values.shape[1]),
+                             dtype="f8", chunks=(1, values.shape[1]))
+    n, k = group["round"].shape[0], len(clients)
+    for name, data in (("round", np.full(k, round_)), ("client", np.asarray(clients)), ("spectrum", values)):
+        ds = group[name]
+        ds.resize((n + k,) + ds.shape[1:])
+        ds[n:] = data
 
 
 def _reopen(path: Path) -> h5py.File:

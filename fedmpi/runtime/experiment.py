@@ -32,7 +32,8 @@ import torch
 from .. import __version__, algorithms, signals
 from ..data import load_dataset
 from ..errors import UsageError
-from ..evaluation import chunks_of, combine, evaluate_chunks, knn_accuracy, knn_worker
+from ..evaluation import (chunks_of, combine, evaluate_chunks, knn_accuracy, knn_worker,
+                          spectrum, spectrum_worker)
 from ..flat import FlatModel
 from ..models import build_model
 from ..results import ResultsWriter, RunFile
@@ -264,8 +265,12 @@ class Experiment:
         ctx = self._context(t, phase, participants)
         states = self._scatter_states(assignment)
         t0 = time.perf_counter()
+        self.local_spectra, spectra_seconds = {}, 0.0
         folded, rows, new_states, vectors = self._train(assignment, payload, states, ctx, p)
-        timers["compute"] += time.perf_counter() - t0
+        if self.local_spectra:   # evaluation inside the training loop: not compute time
+            spectra_seconds = sum(seconds for _, seconds in self.local_spectra.values())
+            timers["eval"] += spectra_seconds
+        timers["compute"] += time.perf_counter() - t0 - spectra_seconds
         sums = self._collect_sums(folded, assignment, p)
         if self.alg.gram_weighted(phase):
             t0 = time.perf_counter()
@@ -341,6 +346,10 @@ class Experiment:
                                          public=self._public_data(ctx.round, c, p))
             torch.manual_seed(key_seed(self.config.seed, "client", ctx.round, c, p))  # dropout
             upload = self.alg.local_update(task, payload, states.get(c), ctx)
+            if p == 0 and self.config.eval.local_spectra and self._probe_round(ctx.round):
+                t1 = time.perf_counter()   # the client's local model, before it is reloaded
+                values = spectrum([spectrum_worker(self.flat.module.encoder, self.data, 0, 1)])
+                self.local_spectra[c] = (values, time.perf_counter() - t1)
             contribution = self.alg.contribution(upload)
             if STAT_SIZES_KEYS[0] in sizes:
                 contribution = {**contribution, **stat_contribution(upload.delta)}
@@ -469,11 +478,12 @@ class Experiment:
         t0 = time.perf_counter()
         self._load_eval_model()
         encoder = self.flat.module.encoder if self.comm.is_worker else None
-        row, values = probes.run(self.comm, encoder, getattr(self, "data", None),
-                                 self.num_classes, self.config, t + 1)
+        local = {c: values for c, (values, _) in getattr(self, "local_spectra", {}).items()}
+        row, values, local = probes.run(self.comm, encoder, getattr(self, "data", None),
+                                        self.num_classes, self.config, t + 1, local)
         timers["eval"] += time.perf_counter() - t0
         if self.comm.is_server:
-            self.writer.append_eval(row, values)
+            self.writer.append_eval(row, values, local)
             if not self.quiet:
                 print(probes.describe(row), flush=True)
 

@@ -21,9 +21,10 @@ from ..ssl_eval import effective_rank
 from .rng import key_seed
 
 
-def run(comm, encoder, data, num_classes: int, config, round_: int):
+def run(comm, encoder, data, num_classes: int, config, round_: int, local=None):
     """Every rank calls this with the evaluated model loaded on the workers; returns
-    (/eval row, spectrum or None) on the server and (None, None) elsewhere."""
+    (/eval row, spectrum or None, {client: local spectrum}) on the server, Nones elsewhere.
+    ``local``: this worker's spectra of its clients' local models (eval.local_spectra)."""
     t0 = time.perf_counter()
     e, seed = config.eval, config.seed
     results, chunks = {}, []
@@ -37,17 +38,18 @@ def run(comm, encoder, data, num_classes: int, config, round_: int):
                 linear_epochs=e.linear_epochs, finetune_epochs=e.finetune_epochs)
         if "spectrum" in e.probes:
             chunks = spectrum_worker(encoder, data, comm.worker_index, comm.num_workers)
-    parts = comm.gather_obj((results, chunks))
+    parts = comm.gather_obj((results, chunks, local or {}))
     if not comm.is_server:
-        return None, None
-    row, values = {"round": round_}, None
-    for part, _ in parts:
+        return None, None, None
+    row, values, spectra = {"round": round_}, None, {}
+    for part, _, clients in parts:
         row.update(part)
+        spectra.update(clients)
     if "spectrum" in e.probes:
-        values = spectrum([c for _, c in parts])
+        values = spectrum([c for _, c, _ in parts])
         row["effective_rank"] = effective_rank(torch.from_numpy(values))
     row["seconds"] = time.perf_counter() - t0
-    return row, values
+    return row, values, dict(sorted(spectra.items()))
 
 
 def describe(row: dict) -> str:
@@ -101,11 +103,12 @@ def evaluate_file(path, probe_names=(), overrides=(), quiet: bool = False) -> di
     flat.load(torch.from_numpy(vector).to(device))
     data = DeviceData(dataset, device, augment=False, crop_padding=0, flip=False,
                       channels_last=False)
-    row, values = run(LocalComm(), flat.module.encoder, data, dataset.num_classes, config, completed)
+    row, values, _ = run(LocalComm(), flat.module.encoder, data, dataset.num_classes, config,
+                         completed)
     row["posthoc"] = 1.0
     h5file = _reopen(path)
     try:
-        append_eval(h5file, row, values)
+        append_eval(h5file, row, values, None)
     finally:
         h5file.close()
     if not quiet:
