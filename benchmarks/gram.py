@@ -1,0 +1,67 @@
+"""Cost of EUA's Gram path (fedmpi.runtime.gram) against the plain sum FedAvg uses.
+
+Under mpirun, K client updates of d values spread over the workers, as the runtime holds
+them. Times, per round, (a) the FedAvg path: each worker sums its clients, one Reduce to
+the server; (b) the Gram path: Alltoallv transpose, per-block Grams, coefficients on the
+server, per-block weighted sums gathered to the server. Prints seconds (median of
+--repeat) and the bytes each path moved, the largest amount any one rank received, and
+what gathering all K vectors on one rank would take instead:
+
+    mpirun -n 3 python benchmarks/gram.py                      # d = 11.2M (ResNet-18), K = 10
+    mpirun -n 5 --oversubscribe python benchmarks/gram.py --clients 100 --params 1000000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+import torch
+
+from fedmpi.comm.mpi import MPIComm
+from fedmpi.runtime.gram import weighted_sum
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", type=int, default=11_200_000)
+    parser.add_argument("--clients", type=int, default=10)
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    comm = MPIComm()
+    d, k, workers = args.params, args.clients, comm.num_workers
+    assignment = [np.arange(w, k, workers) for w in range(workers)]
+    mine = [torch.randn(d, generator=torch.Generator().manual_seed(int(c)))
+            for c in assignment[comm.worker_index]] if comm.is_worker else []
+    results = {"fedavg": [], "gram": []}
+    moved = {}
+    for _ in range(args.repeat):
+        comm.ledger.take()
+        start = time.perf_counter()
+        total = torch.zeros(d)
+        for v in mine:
+            total += v
+        out = torch.zeros(d) if comm.is_server else None
+        comm.reduce_sum(total, out)
+        results["fedavg"].append(time.perf_counter() - start)
+        moved["fedavg"] = comm.gather_obj(comm.ledger.take(), count=False)
+        start = time.perf_counter()
+        weighted_sum(comm, mine, assignment, d, lambda g: np.full(len(g), 1.0 / len(g)))
+        results["gram"].append(time.perf_counter() - start)
+        moved["gram"] = comm.gather_obj(comm.ledger.take(), count=False)
+    if comm.is_server:
+        report = {"ranks": comm.size, "d": d, "clients": k}
+        for path in ("fedavg", "gram"):
+            ledgers = moved[path]
+            report[path] = {"seconds": float(np.median(results[path])),
+                            "mb_moved": sum(led.sent for led in ledgers) / 1e6,
+                            "max_mb_received_by_one_rank": max(led.received for led in ledgers) / 1e6}
+        report["mb_to_gather_all_vectors_on_one_rank"] = k * d * 4 / 1e6
+        print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
