@@ -81,6 +81,7 @@ class Experiment:
         self.stop = None     # why the server stops the run: _DIVERGED or _PREEMPTED
         self.start = 0       # first round to run (after a checkpoint's completed rounds)
         self.ready = False   # setup done: from here an error may be one rank's alone
+        self.local_spectra = {}  # worker: client -> (spectrum of its local model, seconds)
 
     # ---- setup ------------------------------------------------------------------------
     def setup(self) -> None:
@@ -265,11 +266,12 @@ class Experiment:
         ctx = self._context(t, phase, participants)
         states = self._scatter_states(assignment)
         t0 = time.perf_counter()
-        self.local_spectra, spectra_seconds = {}, 0.0
+        if p == 0:
+            self.local_spectra = {}   # taken in the first phase only (eval.local_spectra)
         folded, rows, new_states, vectors = self._train(assignment, payload, states, ctx, p)
-        if self.local_spectra:   # evaluation inside the training loop: not compute time
-            spectra_seconds = sum(seconds for _, seconds in self.local_spectra.values())
-            timers["eval"] += spectra_seconds
+        # evaluation inside the training loop is evaluation time, not compute time
+        spectra_seconds = sum(s for _, s in self.local_spectra.values()) if p == 0 else 0.0
+        timers["eval"] += spectra_seconds
         timers["compute"] += time.perf_counter() - t0 - spectra_seconds
         sums = self._collect_sums(folded, assignment, p)
         if self.alg.gram_weighted(phase):
@@ -478,7 +480,7 @@ class Experiment:
         t0 = time.perf_counter()
         self._load_eval_model()
         encoder = self.flat.module.encoder if self.comm.is_worker else None
-        local = {c: values for c, (values, _) in getattr(self, "local_spectra", {}).items()}
+        local = {c: values for c, (values, _) in self.local_spectra.items()}
         row, values, local = probes.run(self.comm, encoder, getattr(self, "data", None),
                                         self.num_classes, self.config, t + 1, local)
         timers["eval"] += time.perf_counter() - t0
