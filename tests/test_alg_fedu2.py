@@ -21,7 +21,7 @@ from fedmpi.runtime import run_experiment
 from fedmpi.runtime.gram import block_ranges, weighted_sum
 
 from conftest import ROOT, fedmpi, mpirun, needs_mpi
-from helpers import merged, write_config
+from helpers import SSL, merged, write_config
 
 
 def ctx(global_lr=1.0):
@@ -140,18 +140,6 @@ def test_bad_parameters_name_the_field(field, value):
 
 
 # ---- real runs ---------------------------------------------------------------------------
-
-SSL = {
-    "name": "ssl", "seed": 3, "rounds": 3,
-    "data": {"dataset": "synthetic", "num_train": 1200, "num_test": 200, "size": 16},
-    "partition": {"kind": "dirichlet", "alpha": 0.5},
-    "clients": {"num": 6, "per_round": 4},
-    "model": {"name": "cnn", "hidden": 32, "channels": [4, 8]},
-    "algorithm": {"name": "fedu2", "proj_dim": 16, "proj_hidden": 32, "pred_hidden": 16},
-    "train": {"batch_size": 64, "lr": 0.05},
-    "system": {"deterministic": True},
-}
-
 
 def run_single(path, name, **algorithm):
     values = merged(SSL, algorithm={"name": name, **algorithm})

@@ -24,7 +24,7 @@ from fedmpi.results import RunFile
 from fedmpi.runtime import run_experiment
 
 from conftest import fedmpi, mpirun, needs_mpi
-from helpers import merged, write_config
+from helpers import SSL, merged, write_config
 
 HEADS = {"proj_dim": 6, "proj_hidden": 8, "pred_hidden": 5}
 BACKBONE = {"hidden": 8, "channels": [2, 3]}
@@ -238,18 +238,6 @@ def test_bad_parameters_name_the_field(name, field, value):
 
 
 # ---- real runs ---------------------------------------------------------------------------
-
-SSL = {
-    "name": "ssl", "seed": 3, "rounds": 3,
-    "data": {"dataset": "synthetic", "num_train": 1200, "num_test": 200, "size": 16},
-    "partition": {"kind": "dirichlet", "alpha": 0.5},
-    "clients": {"num": 6, "per_round": 4},   # some clients skip a round (FedEMA's reset)
-    "model": {"name": "cnn", "hidden": 32, "channels": [4, 8]},
-    "algorithm": {"name": "fedbyol", "proj_dim": 16, "proj_hidden": 32, "pred_hidden": 16},
-    "train": {"batch_size": 64, "lr": 0.05},
-    "system": {"deterministic": True},
-}
-
 
 def run_single(tmp_path, name, **algorithm):
     values = merged(SSL, algorithm={"name": name, **algorithm})
