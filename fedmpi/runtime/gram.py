@@ -65,7 +65,8 @@ def weighted_sum(comm, vectors: list[torch.Tensor], assignment, d: int,
     parts = [np.zeros(0, np.float32) for _ in range(comm.size)]
     if comm.is_worker:
         for w in range(workers):
-            pieces = [stacked[:, s:e].reshape(-1) for s, e in (blocks[b] for b in _owned(len(blocks), w, workers))]
+            spans = [blocks[b] for b in _owned(len(blocks), w, workers)]
+            pieces = [stacked[:, s:e].reshape(-1) for s, e in spans]
             parts[_rank_of(w, comm)] = torch.cat(pieces).numpy() if pieces else np.zeros(0, np.float32)
     received = comm.alltoallv(parts)
     owned = {b: np.zeros((k, blocks[b][1] - blocks[b][0]), np.float32) for b in mine}
