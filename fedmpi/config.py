@@ -383,14 +383,16 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 
 # The key that chooses what an open section's extra keys mean: changing it on the command
-# line drops the extras that came from the file or preset (they belonged to the old choice).
+# line drops the extras that came from the file or preset (they belonged to the old choice),
+# except algorithm parameters the new algorithm also takes (the SSL heads, SAM's rho, ...).
 _SELECTORS = {"partition": "kind", "algorithm": "name", "model": "name", "data": "dataset"}
 
 
 def apply_overrides(values: dict, overrides: list[str]) -> dict:
     """``--set`` on top of ``values``. ``--set partition.kind=pathological`` on a preset
-    with ``alpha`` drops that alpha (and likewise algorithm, model and dataset parameters);
-    parameters given by other ``--set``s are kept."""
+    with ``alpha`` drops that alpha (and likewise model and dataset parameters, and the
+    algorithm parameters the new algorithm does not take); parameters given by other
+    ``--set``s are kept."""
     values = copy.deepcopy(values)
     for text in overrides:
         path, value = parse_override(text)
@@ -400,17 +402,26 @@ def apply_overrides(values: dict, overrides: list[str]) -> dict:
             if not isinstance(node, dict):
                 raise UsageError(f"--set {text!r}: {part} is not a section")
         if len(path) == 2 and _SELECTORS.get(path[0]) == path[1] and node.get(path[1]) != value:
-            _drop_extras(path[0], node, overrides)
+            _drop_extras(path[0], node, overrides, value)
         node[path[-1]] = value
     return values
 
 
-def _drop_extras(section: str, node: dict, overrides: list[str]) -> None:
+def _drop_extras(section: str, node: dict, overrides: list[str], choice) -> None:
     cls = get_type_hints(ExperimentConfig)[section]
     fixed = {f.name for f in dataclasses.fields(cls)}
     given = {p[1] for p in (parse_override(t)[0] for t in overrides) if len(p) == 2 and p[0] == section}
-    for key in [k for k in node if k not in fixed and k not in given]:
+    shared = _algorithm_parameters(choice) if section == "algorithm" else set()
+    for key in [k for k in node if k not in fixed and k not in given and k not in shared]:
         del node[key]
+
+
+def _algorithm_parameters(name) -> set[str]:
+    """The parameters algorithm ``name`` takes (none if it is unknown, e.g. a plugin's)."""
+    from .algorithms import REGISTRY
+
+    cls = REGISTRY.get(name) if isinstance(name, str) else None
+    return {f.name for f in dataclasses.fields(cls.Params)} if cls else set()
 
 
 def resolve(path: str | None = None, preset: str | None = None,
