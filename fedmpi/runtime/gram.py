@@ -96,12 +96,9 @@ def weighted_sum(comm, vectors: list[torch.Tensor], assignment, d: int,
 
     # 3. coefficients to the workers; 4. each block's weighted sum, gathered to the server
     comm.bcast(coef)
-    sums = []
-    for b in mine:
-        acc = np.zeros(owned[b].shape[1])
-        for i in range(k):  # one fixed order of float64 additions
-            acc += coef[i] * owned[b][i]
-        sums.append(acc.astype(np.float32))
+    weights = torch.from_numpy(coef)
+    # one float64 product per block: a fixed shape, so the same kernel for any layout
+    sums = [(weights @ torch.from_numpy(owned[b]).double()).float().numpy() for b in mine]
     gathered = comm.gatherv(np.concatenate(sums) if sums else np.zeros(0, np.float32))
     if not comm.is_server:
         return None, None
