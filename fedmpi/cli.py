@@ -14,7 +14,7 @@ import click
 
 from .errors import UsageError
 
-EXIT_USAGE, EXIT_FAILED = 2, 1
+EXIT_USAGE, EXIT_FAILED, EXIT_INTERRUPTED = 2, 1, 130   # 130: killed by SIGINT, by convention
 
 
 def _launcher_rank() -> int:
@@ -48,7 +48,8 @@ def _config_options(command):
                            help="Override a config field, e.g. --set train.lr=0.1 (repeatable).")(command)
     command = click.option("--preset", metavar="NAME",
                            help="A named preset (see `fedmpi presets`); default: 'default'.")(command)
-    return click.argument("config_file", required=False, type=click.Path(dir_okay=False))(command)
+    # plain strings: the config loader says in one line what is wrong with a path
+    return click.argument("config_file", required=False)(command)
 
 
 def _resolve(config_file, preset, overrides, output=None):
@@ -62,7 +63,7 @@ def _resolve(config_file, preset, overrides, output=None):
 @_config_options
 @click.option("-o", "--output", metavar="PATH", help="Results file (same as --set output=PATH).")
 @click.option("--force", is_flag=True, help="Overwrite an existing results file.")
-@click.option("--resume", "resume_file", metavar="FILE", type=click.Path(dir_okay=False),
+@click.option("--resume", "resume_file", metavar="FILE",
               help="Continue the run in FILE from its last checkpoint (config from the file).")
 @click.option("-q", "--quiet", is_flag=True, help="No per-round progress lines.")
 @one_line_errors
@@ -75,6 +76,7 @@ def run(config_file, preset, overrides, output, force, resume_file, quiet):
     from . import signals
 
     signals.install()  # before the heavy imports: a signal during start-up counts
+    from .results.writer import FileReplacedError
     from .runtime import EXIT_PREEMPTED, run_experiment
 
     if resume_file:
@@ -83,12 +85,18 @@ def run(config_file, preset, overrides, output, force, resume_file, quiet):
             return
     else:
         config = _resolve(config_file, preset, overrides, output)
-        path = config.output_path()
-        if path.exists() and not force:
-            raise UsageError(f"results file {path} exists; pass --force to overwrite it, "
-                             f"--resume {path} to continue it, or choose another with -o/--output")
+        _check_output(config.output_path(), force)
     path = config.output_path()
-    experiment = run_experiment(config, force=force, quiet=quiet, resume=bool(resume_file))
+    try:
+        experiment = run_experiment(config, force=force, quiet=quiet, resume=bool(resume_file))
+    except FileReplacedError as exc:   # someone else's file now: leave it alone
+        click.echo(f"fedmpi: {exc}", err=True)
+        sys.exit(EXIT_FAILED)
+    except KeyboardInterrupt:   # a second Ctrl-C: the file says interrupted
+        if _launcher_rank() == 0:
+            click.echo(f"fedmpi: stopped by a second Ctrl-C; {path} resumes from its last "
+                       f"checkpoint: fedmpi run --resume {path}", err=True)
+        sys.exit(EXIT_INTERRUPTED)
     if experiment.preempted:
         sys.exit(EXIT_PREEMPTED)
     if experiment.comm.is_server:
@@ -99,16 +107,60 @@ def run(config_file, preset, overrides, output, force, resume_file, quiet):
             click.echo(f"results: {path}")
 
 
+def _check_output(path, force: bool) -> None:
+    """A new run's results file: never a directory, never a live run's file, an existing
+    one only with --force, and a directory it can be written in; before any MPI work."""
+    from pathlib import Path
+
+    if path.is_dir():
+        raise UsageError(f"results file {path} is a directory; give a file path such as "
+                         f"{path / 'run.h5'} with -o/--output")
+    if path.exists() and not force:
+        raise UsageError(f"results file {path} exists; pass --force to overwrite it, "
+                         f"--resume {path} to continue it, or choose another with -o/--output")
+    _refuse_live_writer(path)
+    parent = Path(path).absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UsageError(f"results file {path}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"results file {path}: cannot write in {parent} (permission denied "
+                         f"or a read-only file system); choose another with -o/--output")
+
+
+def _refuse_live_writer(path) -> None:
+    from .results import lock
+
+    holder = lock.holder(path)
+    if holder is not None:
+        raise UsageError(lock.busy_message(path, holder))
+
+
 def _resume_config(path, other_arguments):
     """The config of the run in ``path``, writing to ``path``; None if it already completed."""
+    from pathlib import Path
+
     from .config import from_dict
-    from .results import RunFile
+    from .results import RunFile, liveness
+    from .results.writer import damaged
 
     if other_arguments:
         raise UsageError("--resume FILE takes the config from FILE: drop the config file, "
                          "--preset, --set, -o and --force")
+    if Path(path).is_dir():
+        raise UsageError(f"--resume {path}: is a directory; give the run's results file (.h5)")
+    if Path(path).is_file():
+        _refuse_live_writer(path)
+        if _launcher_rank() == 0:   # the others exit 2 quietly, as with every usage error
+            problem = damaged(path)
+            if problem:
+                raise UsageError(problem)
     with RunFile(path) as run:
-        status, values = run.status, run.config
+        status, values, writer = run.status, run.config, run.attrs.get("writer")
+    if status == "running" and liveness.state(writer) == liveness.ALIVE:
+        from .results.lock import busy_message
+        raise UsageError(busy_message(path, writer))
     if status == "completed":
         if _launcher_rank() == 0:
             click.echo(f"{path}: run already completed; nothing to resume")

@@ -1,29 +1,60 @@
-"""Preemption requests: SIGUSR1 (SLURM ``--signal``) and SIGTERM set a flag, nothing else.
+"""Stop requests: SIGUSR1 (SLURM ``--signal``), SIGTERM, SIGHUP and a first Ctrl-C set a
+flag, nothing else.
 
 Installed as the first thing ``fedmpi run`` does, before torch is imported, so a signal
 that arrives while a rank is still starting up is remembered rather than killing it; the
-runtime checks the flag at every round boundary and checkpoints (DESIGN.md section 10).
+runtime checks the flag after start-up and at every round boundary, checkpoints, marks
+the file interrupted and exits 75. A second Ctrl-C stops at once (KeyboardInterrupt: the
+file is marked interrupted and resumes from its last periodic checkpoint).
+
+What a launcher does with a signal sent to *it* is the launcher's business: OpenMPI's
+mpirun (PRRTE) forwards SIGUSR1 and SIGUSR2 to every rank, but answers SIGTERM, SIGINT
+and SIGHUP by killing the ranks (SIGTERM, then SIGKILL 0.25 s later), too soon for any
+checkpoint; srun and SLURM's scancel give the ranks SIGTERM and ``KillWait`` seconds
+(often 30). ``jobs/mpirun.sh`` therefore turns a TERM/INT/HUP sent to it into USR1 for
+mpirun.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 
-SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 _requested = threading.Event()
 
 
 def _handler(signum, frame) -> None:
+    if signum == signal.SIGINT:
+        if _requested.is_set():
+            raise KeyboardInterrupt
+        if _speaks():
+            os.write(2, b"\nfedmpi: Ctrl-C: stopping after this round (checkpoint, exit 75); "
+                        b"Ctrl-C again stops now\n")
     _requested.set()
 
 
+def _speaks() -> bool:
+    """Rank 0 (or a process without a launcher) prints for the job."""
+    for name in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID"):
+        if os.environ.get(name, "").isdigit():
+            return os.environ[name] == "0"
+    return True
+
+
 def install() -> dict | None:
-    """Route the preemption signals to the flag; returns the previous handlers (None when
-    not on the main thread, where Python cannot install handlers)."""
+    """Route the stop signals to the flag; returns the previous handlers (None when not
+    on the main thread, where Python cannot install handlers). A hang-up or interrupt
+    that is ignored (``nohup``, a background job of a script) stays ignored."""
     if threading.current_thread() is not threading.main_thread():
         return None
-    return {sig: signal.signal(sig, _handler) for sig in SIGNALS}
+    previous = {}
+    for sig in SIGNALS:
+        if sig in (signal.SIGHUP, signal.SIGINT) and signal.getsignal(sig) == signal.SIG_IGN:
+            continue
+        previous[sig] = signal.signal(sig, _handler)
+    return previous
 
 
 def restore(previous: dict | None) -> None:

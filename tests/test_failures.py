@@ -1,17 +1,22 @@
 """A failing client ends the run promptly, never a hang, and the file keeps what was done."""
 
 import os
+import signal
+import socket
+import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
+import torch
 
 from fedmpi import config as cfg
 from fedmpi.comm import LocalComm
 from fedmpi.results import RunFile
 from fedmpi.runtime import run_experiment
 
-from conftest import ROOT, mpirun, needs_mpi
+from conftest import ROOT, fedmpi, mpirun, needs_mpi
 from helpers import TINY, merged, write_config
 
 CRASH = dict(plugins=["toy_algorithms"], algorithm={"name": "toy_crash", "crash_round": 1})
@@ -39,3 +44,176 @@ def test_worker_failure_aborts_the_mpi_job_promptly(tmp_path):
     assert time.monotonic() - start < 60
     with RunFile(tmp_path / "crash.h5") as run:
         assert run.rounds()["round"].tolist() == [1]  # the completed round survived
+
+
+# ---- one writer per file, and a file is replaced only once a run has started ---------
+
+LONG = dict(rounds=100000, system={"checkpoint_every": 2})
+
+
+def start_run(config, out, *extra):
+    return subprocess.Popen([sys.executable, "-m", "fedmpi", "run", "-q", str(config), "-o",
+                             str(out), *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def wait_rounds(path, n, proc, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        try:
+            with RunFile(path) as run:
+                if len(run.rounds()["round"]) >= n:
+                    return
+        except Exception:
+            pass
+        time.sleep(0.02)
+    raise AssertionError(f"{path}: fewer than {n} rounds after {timeout} s")
+
+
+def stop(proc):
+    proc.send_signal(signal.SIGUSR1)
+    return proc.communicate(timeout=60)
+
+
+def test_force_never_takes_over_a_live_runs_file(tmp_path):
+    config = write_config(tmp_path / "c.toml", **LONG)
+    out = tmp_path / "live.h5"
+    first = start_run(config, out)
+    wait_rounds(out, 3, first)
+    second = fedmpi(["run", "-q", str(config), "-o", str(out), "--force", "--set", "seed=9"])
+    assert second.returncode == 2
+    assert second.stderr.strip() == (f"fedmpi: results file {out} is being written by a live run "
+                                     f"(pid {first.pid} on {socket.gethostname()}); stop that run "
+                                     f"first, or choose another output with -o/--output")
+    live_resume = fedmpi(["run", "--resume", str(out)])
+    assert live_resume.returncode == 2 and "being written by a live run" in live_resume.stderr
+    stop(first)
+    with RunFile(out) as run:   # still the first run's file, intact
+        assert run.config["seed"] == TINY["seed"] and run.status == "interrupted"
+        assert run.attrs["writer"]["pid"] == first.pid
+
+
+def test_two_resumes_at_once_one_wins_the_other_gets_one_line(tmp_path):
+    config = write_config(tmp_path / "c.toml", rounds=300, system={"deterministic": True})
+    out = tmp_path / "r.h5"
+    first = start_run(config, out)
+    wait_rounds(out, 2, first)
+    stop(first)
+    cmd = [sys.executable, "-m", "fedmpi", "run", "-q", "--resume", str(out)]
+    a, b = (subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True) for _ in range(2))
+    results = sorted([(a.wait(timeout=300), a.stderr.read()), (b.wait(timeout=300), b.stderr.read())])
+    (ok, _), (refused, err) = results
+    assert ok == 0 and refused == 2, results
+    assert err.count("\n") == 1 and "being written by a live run" in err
+    fedmpi(["run", "-q", str(config), "-o", str(tmp_path / "ref.h5")], check=True)
+    with RunFile(tmp_path / "ref.h5") as ref, RunFile(out) as run:
+        assert run.status == "completed"
+        assert np.array_equal(ref.rounds()["train_loss"], run.rounds()["train_loss"])
+        assert [r["round"] for r in run.attrs["resumes"]] == [run.attrs["resumes"][0]["round"]]
+
+
+def test_force_keeps_the_old_file_when_the_new_run_fails_in_setup(tmp_path):
+    config = write_config(tmp_path / "c.toml", rounds=1)
+    out = tmp_path / "keep.h5"
+    fedmpi(["run", "-q", str(config), "-o", str(out)], check=True)
+    before = out.read_bytes()
+    bad = fedmpi(["run", "-q", str(config), "-o", str(out), "--force", "--set", "data.dataset=cifar10",
+                  "--set", f"data.data_dir={tmp_path / 'nowhere'}", "--set", "model.name=cnn"])
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
+    assert out.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.toml", "keep.h5"]   # no debris
+
+
+@needs_mpi
+def test_force_keeps_the_old_file_when_the_new_run_fails_in_setup_under_mpirun(tmp_path):
+    config = write_config(tmp_path / "c.toml", rounds=1)
+    out = tmp_path / "keep.h5"
+    fedmpi(["run", "-q", str(config), "-o", str(out)], check=True)
+    before = out.read_bytes()
+    bad = mpirun(3, [sys.executable, "-m", "fedmpi", "run", "-q", str(config), "-o", str(out), "--force",
+                     "--set", "data.dataset=cifar10", "--set", f"data.data_dir={tmp_path / 'nowhere'}"],
+                 check=False)
+    assert bad.returncode == 2 and "fedmpi: " in bad.stderr
+    assert out.read_bytes() == before
+
+
+def test_a_run_whose_file_is_replaced_stops_and_leaves_the_new_file_alone(tmp_path):
+    config = write_config(tmp_path / "c.toml", **LONG)
+    out, other = tmp_path / "run.h5", tmp_path / "other.h5"
+    fedmpi(["run", "-q", str(write_config(tmp_path / "o.toml", rounds=1)), "-o", str(other)], check=True)
+    proc = start_run(config, out)
+    wait_rounds(out, 3, proc)
+    os.replace(other, out)   # e.g. a user's `mv` over it
+    replaced = out.read_bytes()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert err.strip() == (f"fedmpi: results file {out} was replaced by another process during "
+                           f"this run; this run's results are not in it")
+    assert out.read_bytes() == replaced
+
+
+def test_divergence_names_the_round_as_progress_lines_count_it(tmp_path):
+    config = write_config(tmp_path / "c.toml", rounds=3, train={"lr": 1e30, "clip_norm": 0.0})
+    out = tmp_path / "nan.h5"
+    proc = fedmpi(["run", str(config), "-o", str(out)])
+    assert proc.returncode == 1
+    assert "round    1/3" in proc.stdout
+    assert "fedmpi: training diverged at round 1 (NaN/Inf loss or parameters)" in proc.stderr
+    with RunFile(out) as run:
+        assert run.status == "failed" and run.attrs["failed_round"] == 1
+        assert run.rounds()["round"].tolist() == [1]
+
+
+# ---- one line, exit 2, for paths that cannot work --------------------------------------
+
+def test_cuda_on_a_machine_without_cuda_is_one_line(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    config = write_config(tmp_path / "c.toml", rounds=1, system={"device": "cuda"})
+    proc = fedmpi(["run", "-q", str(config), "-o", str(tmp_path / "x.h5")])
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert proc.stderr.startswith("fedmpi: config field system.device: 'cuda', but torch finds no CUDA")
+    assert not (tmp_path / "x.h5").exists()
+
+
+@needs_mpi
+def test_cuda_on_a_machine_without_cuda_is_one_line_under_mpirun(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    config = write_config(tmp_path / "c.toml", rounds=1, system={"device": "cuda:0"})
+    proc = mpirun(3, [sys.executable, "-m", "fedmpi", "run", "-q", str(config), "-o",
+                      str(tmp_path / "x.h5")], check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.count("fedmpi: config field system.device: 'cuda:0'") == 1
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("case", ["resume-dir", "output-dir", "output-dir-force", "parent-is-file",
+                                  "read-only", "resume-missing"])
+def test_paths_that_cannot_work_are_one_line(tmp_path, case):
+    config = write_config(tmp_path / "c.toml", rounds=1)
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "afile").write_text("x")
+    args, expected = {
+        "resume-dir": (["--resume", str(tmp_path / "adir")], "is a directory"),
+        "output-dir": ([str(config), "-o", str(tmp_path / "adir")], "is a directory"),
+        "output-dir-force": ([str(config), "-o", str(tmp_path / "adir"), "--force"], "is a directory"),
+        "parent-is-file": ([str(config), "-o", str(tmp_path / "afile" / "x.h5")], "is not a directory"),
+        "read-only": ([str(config), "-o", "/proc/1/run.h5"], "cannot write in /proc/1"),
+        "resume-missing": (["--resume", str(tmp_path / "none.h5")], "does not exist"),
+    }[case]
+    proc = fedmpi(["run", "-q", *args])
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and expected in proc.stderr, proc.stderr
+    assert (tmp_path / "adir").is_dir() and (tmp_path / "afile").read_text() == "x"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_read_only_output_directory_is_one_line(tmp_path):
+    config = write_config(tmp_path / "c.toml", rounds=1)
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    proc = fedmpi(["run", "-q", str(config), "-o", str(ro / "x.h5")])
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "cannot write in" in proc.stderr

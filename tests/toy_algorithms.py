@@ -126,3 +126,39 @@ class ToyCrash(Algorithm):
         if ctx.round == self.params.crash_round:
             raise RuntimeError(f"toy crash in client {task.client}")
         return local_sgd.local_update(task, payload["x"], ctx)
+
+
+@register
+class ToySlowEval(Algorithm):
+    """FedAvg whose model, when it is scored (eval mode) while the file ``marker`` does
+    not exist, creates that file and sleeps ``seconds``: a test removes the marker, waits
+    for it to come back and then kills a run that is inside its evaluation
+    (failure-path tests)."""
+
+    name = "toy_slow_eval"
+    paper = "test fixture"
+
+    @dataclass(frozen=True)
+    class Params(Params):
+        marker: str = field(default="", metadata={"doc": "evaluation is slow while this file is missing"})
+        seconds: float = field(default=0.5, metadata={"doc": "sleep per evaluation batch"})
+
+    def build_model(self, build, name, in_channels, num_classes, image_size, options):
+        import time
+        from pathlib import Path
+
+        model = build(name, in_channels, num_classes, image_size, **options)
+
+        def slow(module, inputs):
+            marker = Path(self.params.marker) if self.params.marker else None
+            if not module.training and marker is not None and not marker.exists():
+                marker.touch()
+                time.sleep(self.params.seconds)
+
+        model.register_forward_pre_hook(slow)
+        return model
+
+    def local_update(self, task, payload, client_state, ctx):
+        from fedmpi.algorithms import local_sgd
+
+        return local_sgd.local_update(task, payload["x"], ctx)

@@ -9,8 +9,11 @@ leaves SWMR for the duration of the change.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
+import os
+import socket
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
@@ -20,7 +23,7 @@ import numpy as np
 
 from fedmpi import __version__
 from fedmpi.errors import UsageError
-from fedmpi.results import checkpoint, schema
+from fedmpi.results import checkpoint, liveness, repair, schema
 
 
 class ResultsWriter:
@@ -31,6 +34,7 @@ class ResultsWriter:
         self.path = path
         self._n_params = n_params
         self._status = "running"
+        self._inode = _inode(path)
         self._bind_columns()
 
     @classmethod
@@ -40,7 +44,9 @@ class ResultsWriter:
                rank_fields: list[str] = ()) -> "ResultsWriter":
         """Create the file with every dataset it will ever append to, then enter SWMR.
 
-        All input is checked before the filesystem is touched, so a bad call never
+        All input is checked before the filesystem is touched, and the file is built
+        under a temporary name in the same directory that replaces ``path`` in one
+        rename only once it is complete: a bad call or a failure while creating never
         destroys an existing file, even with ``force``.
         """
         path = Path(path)
@@ -61,7 +67,20 @@ class ResultsWriter:
             _create_columns(h5file.create_group("ranks"), list(rank_fields), schema.CLIENT_CHUNK)
             return _write_layout(h5file.create_group("model"), layout)
 
-        return cls._into_swmr(h5py.File(path, "w", libver=schema.LIBVER), path, fill)
+        temporary = _temporary(path, "tmp")
+        try:
+            h5file = h5py.File(temporary, "w", libver=schema.LIBVER)
+        except OSError as exc:
+            raise UsageError(f"results file {path}: cannot write in {path.parent} "
+                             f"({_reason(exc)})") from None
+        try:
+            writer = cls._into_swmr(h5file, temporary, fill)
+            os.replace(temporary, path)   # the open file follows the rename
+        except BaseException:
+            temporary.unlink(missing_ok=True)
+            raise
+        writer.path = path
+        return writer
 
     @classmethod
     def resume(cls, path, completed_rounds: int, **attrs) -> "ResultsWriter":
@@ -169,6 +188,10 @@ class ResultsWriter:
         """
         self._file.close()
         self._file = _reopen(self.path)
+        if _inode(self.path) != self._inode:
+            self._file.close()
+            raise FileReplacedError(f"results file {self.path} was replaced by another process "
+                                    f"during this run; this run's results are not in it")
         try:
             yield self._file
         finally:
@@ -267,6 +290,98 @@ def _append_local_spectra(h5file: h5py.File, round_: int, local: dict) -> None:
         ds[n:] = data
 
 
+def recover_crashed(path) -> str | None:
+    """Make a file left by a writer that died openable again; the caller holds its lock.
+
+    A writer killed while it had the file open leaves the consistency flags set in the
+    superblock, and HDF5 refuses to open the file for writing. Everything readable is
+    copied into a fresh file that replaces it in one rename, provided all that a resume
+    needs survived (``repair.assess``); returns a line saying what was done, or None when
+    the file needed nothing. A file cut short is refused with what is still readable.
+    """
+    path = Path(path)
+    sb = repair.inspect(path)
+    if sb is None or not (sb.truncated or sb.open_for_write):
+        return None
+    if sb.open_for_write and not sb.truncated:
+        writer = _recorded_writer(path)
+        if liveness.state(writer) == liveness.ALIVE:
+            from fedmpi.results.lock import busy_message
+            raise UsageError(busy_message(path, writer))
+    temporary = _temporary(path, "recover")
+    try:
+        found = repair.assess(temporary, repair.salvage(path, temporary, schema.LIBVER))
+        if sb.truncated or not found.resumable:
+            why = repair.damage(path) or "left inconsistent by a writer that died"
+            raise UsageError(f"results file {path} is damaged ({why}) and cannot be resumed; "
+                             f"{found.summary()}")
+        _drop(temporary, found.lost)
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+    return (f"{path} was left open by a writer that died; continuing from a clean copy "
+            f"({found.rounds} rounds, checkpoint after round {found.checkpoint})")
+
+
+def damaged(path) -> str | None:
+    """For a file cut short: one line with what is still readable in it; else None."""
+    path = Path(path)
+    why = repair.damage(path)
+    if why is None:
+        return None
+    import tempfile
+    with tempfile.TemporaryDirectory(dir=path.parent if os.access(path.parent, os.W_OK) else None) as d:
+        copy = Path(d) / "salvage.h5"
+        found = repair.assess(copy, repair.salvage(path, copy, schema.LIBVER))
+    return f"results file {path} is damaged ({why}) and cannot be resumed; {found.summary()}"
+
+
+def _temporary(path: Path, kind: str) -> Path:
+    """A hidden name beside ``path`` for a file being built: ``.run.h5.<host>.<pid>.tmp``.
+    Leftovers of processes on this host that died building one are removed first."""
+    host = socket.gethostname()
+    for old in path.parent.glob(f".{glob.escape(path.name)}.{glob.escape(host)}.*.{kind}"):
+        pid = old.name[len(path.name) + len(host) + 3:-len(kind) - 1]
+        if pid.isdigit() and liveness.state({"host": host, "pid": int(pid)}) == liveness.GONE:
+            old.unlink(missing_ok=True)
+    return path.parent / f".{path.name}.{host}.{os.getpid()}.{kind}"
+
+
+def _recorded_writer(path: Path):
+    try:
+        with repair.ReadView(path) as view, h5py.File(view, "r") as f:
+            raw = f.attrs.get("writer")
+        return json.loads(raw) if raw is not None else None
+    except Exception:   # noqa: BLE001 - unreadable means unknown
+        return None
+
+
+def _drop(path: Path, names: list[str]) -> None:
+    """Remove what ``assess`` found expendable (a half-written spare checkpoint slot), so
+    the next checkpoint rebuilds it."""
+    with h5py.File(path, "r+") as f:
+        for name in names:
+            top = "/".join(name.split("/")[:2])
+            if top in f:
+                del f[top]
+
+
+class FileReplacedError(RuntimeError):
+    """The results file at the writer's path is no longer the one it created."""
+
+
+def _inode(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _reason(exc: OSError) -> str:
+    return exc.strerror or " ".join(str(exc).split())
+
+
 def _reopen(path: Path) -> h5py.File:
     """Reopen for writing without a lock: live SWMR readers hold a shared one.
 
@@ -355,19 +470,18 @@ def _check_layout(layout) -> list[tuple[str, tuple[int, ...], int]]:
 
 
 def _prepare_path(path: Path, force: bool) -> None:
-    """Refuse to clobber a previous run unless asked; unlink (not truncate) so live readers keep theirs."""
+    """Refuse to clobber a previous run unless asked (it is replaced by a rename at the
+    end of ``create``, so live readers keep theirs)."""
     if path.is_dir():
         raise UsageError(f"results file {path} is a directory; give a file path such as {path / 'run.h5'}")
-    if path.exists() or path.is_symlink():
-        if not force:
-            raise UsageError(f"results file {path} exists; "
-                             "pass --force to overwrite or choose another output")
-        path.unlink()
+    if (path.exists() or path.is_symlink()) and not force:
+        raise UsageError(f"results file {path} exists; "
+                         "pass --force to overwrite or choose another output")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UsageError(f"results file {path}: cannot create directory {path.parent} "
-                         f"({exc.strerror})") from exc
+                         f"({_reason(exc)})") from exc
 
 
 def _partition_arrays(partition: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

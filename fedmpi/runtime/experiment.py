@@ -36,7 +36,9 @@ from ..evaluation import (chunks_of, combine, evaluate_chunks, knn_accuracy, knn
                           spectrum, spectrum_worker)
 from ..flat import FlatModel
 from ..models import build_model
-from ..results import ResultsWriter, RunFile
+from ..results import ResultsWriter, RunFile, liveness
+from ..results.lock import RunLock
+from ..results.writer import FileReplacedError, recover_crashed
 from . import gram, probes
 from .clientdata import DeviceData
 from .federation import federate
@@ -78,6 +80,7 @@ class Experiment:
         self.force, self.quiet, self.resume = force, quiet, resume
         self.alg = algorithms.build(config.algorithm.name, config.algorithm.params)
         self.writer = None
+        self.lock = None     # server: the results file's lock, held for the whole run
         self.stop = None     # why the server stops the run: _DIVERGED or _PREEMPTED
         self.start = 0       # first round to run (after a checkpoint's completed rounds)
         self.ready = False   # setup done: from here an error may be one rank's alone
@@ -90,7 +93,7 @@ class Experiment:
         self.threads = choose_threads(cfg.system.threads, cfg.system.deterministic,
                                       comm.is_worker, comm.size)
         torch.set_num_threads(self.threads)
-        self.device = choose_device(cfg.system.device, comm.is_worker, comm.rank)
+        self.device = self._agree(lambda: choose_device(cfg.system.device, comm.is_worker, comm.rank))
         dataset = load_dataset(cfg.data.dataset, cfg.data.data_dir, seed=cfg.seed,
                                **cfg.data.options)
         self.num_classes, self.test_y = dataset.num_classes, dataset.test_y
@@ -113,6 +116,19 @@ class Experiment:
             if not self.quiet:
                 print(rank_table(ranks), flush=True)
         self.start = comm.bcast_obj(self.start)
+
+    def _agree(self, step):
+        """``step()`` on every rank; if it raises UsageError on any, every rank raises the
+        first one, so the server reports it once (a GPU missing on some worker's node)."""
+        try:
+            result, problem = step(), None
+        except UsageError as exc:
+            result, problem = None, str(exc)
+        problems = self.comm.gather_obj(problem, count=False)
+        first = self.comm.bcast_obj(next((p for p in problems if p), None) if self.comm.is_server else None)
+        if first:
+            raise UsageError(first)
+        return result
 
     def _partition(self, dataset) -> None:
         """Computed once on the server from the seed, broadcast (see `federate`)."""
@@ -145,8 +161,10 @@ class Experiment:
             "seed": cfg.seed, "torch_version": torch.__version__, "python": sys.version.split()[0],
             "num_params": self.d, "dataset_source": dataset.source,
             "algorithm_paper": self.alg.paper, "command": " ".join(sys.argv),
+            "writer": liveness.identity(),
         }
         partition = self.split.file_datasets(dataset.train_y.numpy(), dataset.num_classes)
+        self.lock = RunLock.acquire(cfg.output_path())
         self.writer = ResultsWriter.create(
             cfg.output_path(), config=cfg.to_dict(), provenance=provenance,
             round_fields=ROUND_FIELDS + self._diagnostic_fields(),
@@ -156,6 +174,10 @@ class Experiment:
     def _resume_file(self, dataset, ranks) -> None:
         """Continue the file's run: state from its checkpoint (or round 0 without one)."""
         path = self.config.output_path()
+        self.lock = RunLock.acquire(path)
+        recovered = recover_crashed(path)
+        if recovered:
+            print(f"fedmpi: {recovered}", file=sys.stderr, flush=True)
         with RunFile(path) as run:
             stored = run.partition()
             ckpt = run.checkpoint()
@@ -170,7 +192,8 @@ class Experiment:
                         "git_commit": _git_commit(), "ranks": ranks})
         # the last stop's details would be stale once the run goes on
         self.writer = ResultsWriter.resume(path, self.start, resumes=history, error="",
-                                           interrupted_round=None, failed_round=None)
+                                           interrupted_round=None, failed_round=None,
+                                           writer=liveness.identity())
 
     def _load_checkpoint(self, ckpt) -> None:
         missing = sorted(set(self.state) - set(ckpt.server))
@@ -197,20 +220,30 @@ class Experiment:
             with _preemption_signals():
                 self.setup()
                 self.ready = True
+                self._stop_if_signalled_in_setup()
                 for t in range(self.start, self.config.rounds):
                     self._round(t)
         except StopRun as stop:
             self.stop = stop.reason
         except BaseException as exc:
             self._fail(exc)
+            self._release()
             raise
         if not self.comm.is_server:
             return None
-        if self.stop is None:
-            self.writer.write_model(self.flat.canonical(self.state["x"]).numpy())
-            self.writer.set_status("completed")
-        self.writer.close()
+        try:
+            if self.stop is None:
+                self.writer.write_model(self.flat.canonical(self.state["x"]).numpy())
+                self.writer.set_status("completed")
+            self.writer.close()
+        finally:
+            self._release()
         return self.config.output_path()
+
+    def _release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     @property
     def diverged(self) -> bool:
@@ -225,7 +258,10 @@ class Experiment:
             self.store.close()
         if self.writer is not None:
             status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
-            self.writer.set_status(status, error=f"{type(exc).__name__}: {exc}")
+            try:
+                self.writer.set_status(status, error=f"{type(exc).__name__}: {exc}")
+            except FileReplacedError:
+                pass   # not our file any more: leave it alone
             self.writer.close()
             self.writer = None
         if self.comm.size > 1:
@@ -526,9 +562,10 @@ class Experiment:
         self.writer.flush()  # one flush per round: every completed round is on disk
         # Workers learn of a stop from the next round's plan; the file keeps every round.
         if not (math.isfinite(row["train_loss"]) and bool(torch.isfinite(self.state["x"]).all())):
-            self.writer.set_status("failed", error=f"diverged at round {t}", failed_round=t)
+            # rounds count from 1 everywhere: /rounds/round, progress lines, failed_round
+            self.writer.set_status("failed", error=f"diverged at round {t + 1}", failed_round=t + 1)
             self.stop = _DIVERGED
-            print(f"fedmpi: training diverged at round {t} (NaN/Inf loss or parameters)",
+            print(f"fedmpi: training diverged at round {t + 1} (NaN/Inf loss or parameters)",
                   file=sys.stderr, flush=True)
         elif t + 1 < self.config.rounds:
             self._maybe_checkpoint(t + 1, signalled=bool(np.asarray(stats)[:, -1].any()))
@@ -539,12 +576,23 @@ class Experiment:
         if signalled or (every and completed % every == 0):
             self._checkpoint(completed)
         if signalled:
-            self.writer.set_status("interrupted", error="preempted (SIGUSR1/SIGTERM)",
-                                   interrupted_round=completed)
-            self.stop = _PREEMPTED
-            print(f"fedmpi: signal received; checkpointed after round {completed}, exiting with "
-                  f"{EXIT_PREEMPTED} (resume with: fedmpi run --resume {self.config.output_path()})",
-                  file=sys.stderr, flush=True)
+            self._interrupt(completed, f"checkpointed after round {completed}")
+
+    def _interrupt(self, completed: int, what: str) -> None:
+        """Server: mark the file resumable after ``completed`` rounds and stop every rank."""
+        self.writer.set_status("interrupted", error="stopped by a signal (SIGUSR1/SIGTERM/SIGHUP/Ctrl-C)",
+                               interrupted_round=completed)
+        self.stop = _PREEMPTED
+        print(f"fedmpi: signal received; {what}, exiting with {EXIT_PREEMPTED} "
+              f"(resume with: fedmpi run --resume {self.config.output_path()})",
+              file=sys.stderr, flush=True)
+
+    def _stop_if_signalled_in_setup(self) -> None:
+        """A signal during start-up stops the run before its first round: the file exists
+        and resumes from where this start began (its checkpoint, or round 0)."""
+        flags = self.comm.gather_obj(signals.requested(), count=False)
+        if self.comm.is_server and any(flags) and self.start < self.config.rounds:
+            self._interrupt(self.start, f"stopped during start-up, at round {self.start}")
 
     def _client_fields(self) -> list[str]:
         fields = []

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import ctypes
 import os
+import socket
 
 import torch
+
+from ..errors import UsageError
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
@@ -92,6 +95,10 @@ def choose_device(requested: str, is_worker: bool, rank: int) -> torch.device:
     """
     if not is_worker or requested == "cpu":
         return torch.device("cpu")
+    if requested != "auto" and not torch.cuda.is_available():
+        raise UsageError(f"config field system.device: {requested!r}, but torch finds no CUDA "
+                         f"device on {socket.gethostname()} (torch {torch.__version__}); use "
+                         f"'auto' (GPU when present, else CPU) or 'cpu'")
     if requested == "auto":
         if not torch.cuda.is_available():
             return torch.device("cpu")

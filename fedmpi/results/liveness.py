@@ -1,0 +1,62 @@
+"""Who writes a results file, and whether that process is still alive.
+
+The writer (rank 0) records itself in the root attribute ``writer`` when it creates or
+resumes a file: host, pid, and the process's start time (so a recycled pid is not taken
+for the writer). Anyone on the same host can then tell a live run from a dead one;
+from another host the answer is "unknown" and callers fall back to the file's progress.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+ALIVE, GONE, UNKNOWN = "alive", "gone", "unknown"
+
+
+def identity(pid: int | None = None) -> dict:
+    """This process (or ``pid``) as the writer attribute records it."""
+    pid = os.getpid() if pid is None else pid
+    return {"host": socket.gethostname(), "pid": pid, "start": _start_time(pid)}
+
+
+def state(writer) -> str:
+    """ALIVE, GONE or UNKNOWN for a recorded writer (None or malformed: UNKNOWN)."""
+    if not isinstance(writer, dict) or not isinstance(writer.get("pid"), int):
+        return UNKNOWN
+    if writer.get("host") != socket.gethostname():
+        return UNKNOWN
+    pid = writer["pid"]
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return GONE
+    except PermissionError:  # exists, another user's
+        pass
+    recorded, now = writer.get("start"), _start_time(pid)
+    if recorded and now and recorded != now:
+        return GONE  # the pid was reused by another process
+    return ALIVE
+
+
+def describe(writer) -> str:
+    """'pid 123 on host-1' for messages."""
+    if not isinstance(writer, dict):
+        return "an unknown process"
+    return f"pid {writer.get('pid', '?')} on {writer.get('host', '?')}"
+
+
+def _start_time(pid: int) -> str:
+    """Boot id + start time in clock ticks since boot (Linux); '' where /proc has neither."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode(errors="replace")
+        ticks = stat.rsplit(")", 1)[1].split()[19]   # field 22, after the command name
+    except (OSError, IndexError):
+        return ""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{boot}:{ticks}"
