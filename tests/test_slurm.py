@@ -172,3 +172,34 @@ def _wait_for_first_round(cluster, job: str, output: Path, tmp_path: Path, timeo
         assert states & {"PENDING", "RUNNING", "CONFIGURING"}, f"job ended early: {states}\n{logs(tmp_path)}"
         time.sleep(0.1)
     raise AssertionError(f"no round in {output} after {timeout} s\n{logs(tmp_path)}")
+
+
+def test_scancel_stops_the_run_at_a_round_boundary(cluster, launcher, tmp_path):
+    """Plain `scancel` (TERM to the batch shell and every task, KILL after KillWait): srun
+    hands TERM to the ranks, which checkpoint at the round boundary and exit 75; the job
+    stays cancelled (no requeue) and the file resumes. Under FEDMPI_LAUNCHER=mpirun, mpirun
+    gets TERM too and kills the ranks 0.25 s later: the file may then stay running, with a
+    checkpoint at most checkpoint_every rounds old, and resumes all the same."""
+    config = write_config(tmp_path / "long.toml", rounds=400, output="long.h5",
+                          system={"checkpoint_every": 5})
+    output = tmp_path / "long.h5"
+    job = submit(cluster, "single_node.sbatch", [config.name], tmp_path, ["--ntasks=3"], launcher)
+    _wait_for_first_round(cluster, job, output, tmp_path)
+    time.sleep(1.0)
+    cluster.client(["scancel", job])
+    (state,) = cluster.wait(job, timeout=120)
+    assert state["JobState"] == "CANCELLED", (state, logs(tmp_path))
+    with open_run(output) as run:
+        done = len(run.rounds()["round"])
+        assert 0 < done < 400
+        if launcher == "srun":
+            assert run.status == "interrupted", logs(tmp_path)
+            assert run.attrs["interrupted_round"] == done == run.checkpoint().round
+        else:
+            assert run.status in ("interrupted", "running")
+            assert done - run.checkpoint().round <= 5
+    resumed = subprocess.run([sys.executable, "-m", "fedmpi", "run", "-q", "--resume", str(output)],
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    with open_run(output) as run:
+        assert run.status == "completed" and list(run.rounds()["round"]) == list(range(1, 401))
