@@ -1,9 +1,15 @@
-"""Launcher environments -> local rank, ranks per node, threads and device (no GPU here:
-CUDA selection is checked through the same local-rank arithmetic)."""
+"""Launcher environments -> local rank, ranks per node and threads; the node's workers ->
+each worker's GPU (no GPU here: torch's CUDA queries are faked, and the node's workers
+come from a real mpirun's shared-memory split)."""
+
+import json
+import sys
 
 import pytest
 import torch
 
+from conftest import ROOT, mpirun, needs_mpi
+from fedmpi.errors import UsageError
 from fedmpi.runtime.experiment import rank_table
 from fedmpi.runtime.system import choose_device, choose_threads, local_rank_info
 
@@ -69,3 +75,78 @@ def test_rank_table_names_roles_and_devices():
     lines = table.splitlines()
     assert "server" in lines[1] and "worker" in lines[2] and "cuda:0" in lines[2]
     assert "both" in rank_table([{"rank": 0, "host": "h", "device": "cpu", "threads": 2}])
+
+
+# ---- GPUs: one per worker, from the node's workers and what each of them sees -----------
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """A node with n fake GPUs (no CUDA here): torch's two queries are replaced."""
+    def make(n):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    return make
+
+
+def test_workers_that_see_the_same_gpus_take_them_in_rank_order(gpus, monkeypatch):
+    gpus(4)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")    # SLURM --gres, per node
+    peers = [(r, "0,1,2,3") for r in (1, 2, 3, 4)]             # the server is not a worker
+    assert [choose_device("auto", True, r, peers) for r in (1, 2, 3, 4)] == \
+        [torch.device("cuda", k) for k in range(4)]
+    assert choose_device("cuda", True, 3, peers) == torch.device("cuda", 2)
+    assert choose_device("auto", False, 0, peers) == torch.device("cpu")   # the server
+
+
+def test_a_worker_bound_to_its_own_gpu_takes_cuda_0(gpus, monkeypatch):
+    gpus(1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")           # SLURM --gpus-per-task=1
+    peers = [(1, "4"), (2, "5"), (3, "6")]
+    assert choose_device("auto", True, 2, peers) == torch.device("cuda", 0)
+
+
+def test_more_workers_than_gpus_needs_gpu_share(gpus):
+    gpus(2)
+    peers = [(r, "all") for r in (1, 2, 3)]
+    with pytest.raises(UsageError, match=r"3 worker\(s\) on .* see 2 GPU\(s\).*system.gpu_share = true"):
+        choose_device("auto", True, 3, peers)
+    assert [choose_device("auto", True, r, peers, share=True) for r in (1, 2, 3)] == \
+        [torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cuda", 0)]
+
+
+def test_cuda_n_is_one_gpu_for_one_worker(gpus):
+    gpus(4)
+    assert choose_device("cuda:2", True, 1, [(1, "all")]) == torch.device("cuda", 2)
+    with pytest.raises(UsageError, match="puts all 2 worker"):
+        choose_device("cuda:2", True, 1, [(1, "all"), (2, "all")])
+    assert choose_device("cuda:2", True, 1, [(1, "all"), (2, "all")], share=True) == torch.device("cuda", 2)
+    with pytest.raises(UsageError, match="'cuda:4', but 1 worker"):
+        choose_device("cuda:4", True, 1, [(1, "all")])
+
+
+def test_cuda_without_cuda_is_a_usage_error(gpus):
+    gpus(0)
+    assert choose_device("auto", True, 1, [(1, "all")]) == torch.device("cpu")
+    for requested in ("cuda", "cuda:0"):
+        with pytest.raises(UsageError, match="torch finds no CUDA device"):
+            choose_device(requested, True, 1, [(1, "all")])
+
+
+@needs_mpi
+@pytest.mark.parametrize("visibility, gpu_count, requested, share, expected", [
+    ("node", 2, "auto", "0", {1: "cuda:0", 2: "cuda:1"}),
+    ("unset", 2, "cuda", "0", {1: "cuda:0", 2: "cuda:1"}),
+    ("task", 1, "auto", "0", {1: "cuda:0", 2: "cuda:0"}),
+    ("node", 1, "auto", "0", {1: "error", 2: "error"}),
+    ("node", 1, "auto", "1", {1: "cuda:0", 2: "cuda:0"}),
+    ("node", 2, "cuda:1", "0", {1: "error", 2: "error"}),
+])
+def test_gpu_mapping_under_mpirun(visibility, gpu_count, requested, share, expected):
+    """1 server + 2 workers on one node, under a real mpirun, the local-rank variables
+    removed: the mapping comes from MPI's shared-memory split alone."""
+    proc = mpirun(3, [sys.executable, str(ROOT / "tests/mpi_scripts/gpu_map_check.py"),
+                      str(gpu_count), visibility, requested, share], timeout=120)
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    got = {r["rank"]: r.get("device", "error") for r in lines}
+    assert got == {0: "cpu", **expected}, lines

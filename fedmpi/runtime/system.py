@@ -55,7 +55,8 @@ def _slurm_tasks_on_node() -> int:
     return counts[node] if node < len(counts) else 1
 
 
-def choose_threads(requested: int, deterministic: bool, is_worker: bool, world_size: int) -> int:
+def choose_threads(requested: int, deterministic: bool, is_worker: bool, world_size: int,
+                   local_workers: int | None = None) -> int:
     """Torch threads for this rank.
 
     Workers share the node's cores; the server (rank 0 of a multi-rank job) mostly
@@ -73,9 +74,10 @@ def choose_threads(requested: int, deterministic: bool, is_worker: bool, world_s
     usable = _usable_cores()
     if usable < (os.cpu_count() or usable):
         return usable  # the launcher bound this rank to its own cores
-    _, local_size = local_rank_info()
-    local_workers = max(local_size - (1 if world_size > 1 else 0), 1)
-    return max(usable // local_workers, 1)
+    if local_workers is None:   # not told (Comm.node_peers): the launcher's variables
+        _, local_size = local_rank_info()
+        local_workers = local_size - (1 if world_size > 1 else 0)
+    return max(usable // max(local_workers, 1), 1)
 
 
 def _usable_cores() -> int:
@@ -87,22 +89,56 @@ def _usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def choose_device(requested: str, is_worker: bool, rank: int) -> torch.device:
-    """``auto``: the worker's GPU by local rank when CUDA is present, else the CPU.
+def node_workers(comm) -> list[tuple[int, str]]:
+    """(rank, visible GPUs) of the workers on this rank's node, in rank order: one
+    collective over every rank. Taken from MPI's shared-memory split rather than launcher
+    variables, so it is the same under mpirun, srun, MPICH's hydra or anything else, and
+    the server is left out wherever it runs."""
+    peers = comm.node_peers((comm.is_worker, visible_gpus()))
+    return [(rank, seen) for rank, (worker, seen) in peers if worker]
 
-    On the node that hosts the server (rank 0, block placement) workers are local ranks
-    1..G, elsewhere 0..G-1; either way they map onto GPUs 0..G-1.
+
+def visible_gpus() -> str:
+    """What this process is allowed to see: CUDA_VISIBLE_DEVICES as the launcher set it
+    (per node: the same on every rank; per task: one GPU each), "all" when unset."""
+    return os.environ.get("CUDA_VISIBLE_DEVICES", "all").strip()
+
+
+def choose_device(requested: str, is_worker: bool, rank: int, peers=None,
+                  share: bool = False) -> torch.device:
+    """This rank's device. The server (rank 0 of a multi-rank job) always gets the CPU and
+    never creates a CUDA context.
+
+    ``auto`` and ``cuda`` mean this worker's own GPU when CUDA is present (``auto`` falls
+    back to the CPU). ``peers`` lists (rank, visible GPUs) of the workers on this node
+    (``Comm.node_peers``): workers that see the same GPUs (one CUDA_VISIBLE_DEVICES value)
+    take them in rank order, k-th worker -> cuda:k, so the answer does not depend on which
+    launcher variables exist; a worker that sees its own GPU (SLURM binding one per task)
+    takes cuda:0. More workers than GPUs is an error unless ``share`` (system.gpu_share).
     """
     if not is_worker or requested == "cpu":
         return torch.device("cpu")
-    if requested != "auto" and not torch.cuda.is_available():
+    if not torch.cuda.is_available():
+        if requested == "auto":
+            return torch.device("cpu")
         raise UsageError(f"config field system.device: {requested!r}, but torch finds no CUDA "
                          f"device on {socket.gethostname()} (torch {torch.__version__}); use "
                          f"'auto' (GPU when present, else CPU) or 'cpu'")
-    if requested == "auto":
-        if not torch.cuda.is_available():
-            return torch.device("cpu")
-        local_rank, _ = local_rank_info()
-        first_worker = 1 if rank == local_rank and rank > 0 else 0
-        return torch.device("cuda", (local_rank - first_worker) % torch.cuda.device_count())
-    return torch.device(requested)
+    count = torch.cuda.device_count()
+    visible = visible_gpus()
+    group = sorted(r for r, seen in (peers or [(rank, visible)]) if seen == visible)
+    where = (f"{len(group)} worker(s) on {socket.gethostname()} see {count} GPU(s) "
+             f"(CUDA_VISIBLE_DEVICES={visible})")
+    if requested.startswith("cuda:"):
+        index = int(requested[5:])
+        if index >= count:
+            raise UsageError(f"config field system.device: {requested!r}, but {where}")
+        if len(group) > 1 and not share:
+            raise UsageError(f"config field system.device: {requested!r} puts all {where} on "
+                             f"one GPU; use 'cuda' (one GPU per worker) or set "
+                             f"system.gpu_share = true")
+        return torch.device("cuda", index)
+    if len(group) > count and not share:
+        raise UsageError(f"config field system.device: {where}; start at most {count} workers "
+                         f"per node, or set system.gpu_share = true to share them")
+    return torch.device("cuda", group.index(rank) % count)
