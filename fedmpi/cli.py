@@ -236,7 +236,7 @@ def partition(config_file, preset, overrides, plot):
 
 
 @main.command()
-@click.argument("file", type=click.Path(dir_okay=False))
+@click.argument("file")
 @click.option("--probe", "probe_names", multiple=True,
               type=click.Choice(["linear", "finetune", "spectrum"]),
               help="Probe to run (repeatable); default: the run's eval.probes, else linear "

@@ -2,8 +2,11 @@
 
 Precedence is command line > config file or preset > defaults. Validation happens here,
 before any MPI work, and every problem is a one-line ``UsageError`` that names the
-field (``train.lr``) and what is allowed. The resolved config is a plain nested dict
-(``to_dict``) that the results file stores as JSON.
+field (``train.lr``) and what is allowed. Beyond each field's own range, every number
+anywhere in a config is finite (NaN never; infinity only for FedU's ``algorithm.mu``),
+every integer at most 2**62 in size (``seed``: 0 to 2**64 - 1) and every string free of
+control characters (``check_scalar``); docs/hostile-inputs.md lists the cases. The
+resolved config is a plain nested dict (``to_dict``) that the results file stores as JSON.
 
 Sections of a TOML file (every key optional)::
 
@@ -18,13 +21,15 @@ Sections of a TOML file (every key optional)::
     [eval]       every, batch_size, update_stats, and for self-supervised runs the probes
                  (probes, probe_every, linear_epochs, finetune_epochs, finetune_fractions,
                  local_spectra)
-    [system]     device, deterministic, threads, state_memory_mb, state_dir, checkpoint_every
+    [system]     device, gpu_share, precision, deterministic, threads, state_memory_mb,
+                 state_dir, checkpoint_every
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
@@ -113,7 +118,12 @@ class EvalConfig:
 
 @dataclass
 class SystemConfig:
-    device: str = "auto"               # auto | cpu | cuda | cuda:N
+    device: str = "auto"               # auto | cpu | cuda | cuda:N (auto and cuda: one GPU per
+                                       # worker, taken in rank order on each node)
+    gpu_share: bool = False            # allow more workers than GPUs on a node (they share)
+    precision: str = "fp32"            # fp32 | tf32 (TF32 matmuls and convolutions on NVIDIA
+                                       # GPUs) | bf16 (forward and loss under bfloat16 autocast,
+                                       # FP32 master weights and updates)
     deterministic: bool = False        # bitwise-identical results for any number of ranks
     threads: int = 0                   # torch threads per rank; 0 = cores / ranks on this node
     state_memory_mb: int = 4096        # client state kept in memory; past it, spilled to disk
@@ -139,8 +149,12 @@ class ExperimentConfig:
     system: SystemConfig = field(default_factory=SystemConfig)
 
     def output_path(self) -> Path:
-        return Path(self.output.format(name=self.name, algorithm=self.algorithm.name,
-                                       dataset=self.data.dataset, seed=self.seed))
+        return Path(self.output.format(**self.placeholders()))
+
+    def placeholders(self) -> dict:
+        """What ``output`` may name: {name} {algorithm} {dataset} {seed}."""
+        return {"name": self.name, "algorithm": self.algorithm.name,
+                "dataset": self.data.dataset, "seed": self.seed}
 
     def to_dict(self) -> dict:
         """The resolved config as nested plain data; open sections are flattened back."""
@@ -154,8 +168,57 @@ class ExperimentConfig:
 _OPEN = {"data": "options", "partition": "params", "model": "options", "algorithm": "params"}
 
 
+# Integers end up in numpy and torch int64 arithmetic (sizes, counts, rounds, products of
+# them); past 2**62 that overflows or crashes somewhere, so a bigger one is refused here.
+INT_MAX = 2 ** 62
+# The seed keys numpy SeedSequence (any size) and is stored as the results file's integer
+# attribute "seed", which HDF5 holds as int64 or uint64: 2**64 - 1 is the largest it takes.
+SEED_MAX = 2 ** 64 - 1
+# Tighter caps where the consumer is smaller than int64: torch.set_num_threads takes a C
+# int and every thread its stack (100000 threads crash start-up); crop_padding pads every
+# image of a batch to (side + 2 p)^2 pixels.
+_INT_CAPS = {"system.threads": (1024, "torch threads per rank; 0 = cores / ranks"),
+             "data.crop_padding": (1024, "zero padding on each side before the random crop")}
+NAME_MAX = 255  # bytes in one file name on every common file system
+
+
 def _fail(field_name: str, message: str) -> UsageError:
     return UsageError(f"config field {field_name}: {message}")
+
+
+def check_scalar(field_name: str, value: Any, allow_inf: bool = False, inf_hint: str = "") -> None:
+    """Every value of a config, open sections included, recursively through lists and
+    tables: numbers finite (NaN never; infinity only with ``allow_inf``, ``inf_hint`` says
+    where it is allowed instead), integers within [-2**62, 2**62] (``seed``: [0, 2**64 - 1]),
+    strings free of control characters (NUL cuts a path short, a newline splits messages)."""
+    if isinstance(value, bool):
+        return
+    if isinstance(value, int):
+        if field_name == "seed":
+            if not 0 <= value <= SEED_MAX:
+                raise _fail("seed", f"must be an integer in [0, 2**64 - 1] = [0, {SEED_MAX}], "
+                                    f"got {value}")
+            return
+        cap, what = _INT_CAPS.get(field_name, (INT_MAX, ""))
+        if abs(value) > cap:
+            sign = "" if value > 0 else "-"
+            bound = ("at most " if value > 0 else "at least ") + \
+                (f"{sign}2**62 = {sign}{INT_MAX}" if cap == INT_MAX else f"{sign}{cap}")
+            raise _fail(field_name, f"must be {bound}{f' ({what})' if what else ''}, got {value}")
+    elif isinstance(value, float):
+        if math.isnan(value) or (math.isinf(value) and not allow_inf):
+            allowed = "a number (inf allowed)" if allow_inf else "a finite number"
+            raise _fail(field_name, f"must be {allowed}, got {value}{inf_hint}")
+    elif isinstance(value, str):
+        bad = next((ch for ch in value if ord(ch) < 32 or ord(ch) == 127), None)
+        if bad is not None:
+            raise _fail(field_name, f"must not contain control characters, got {value!r}")
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            check_scalar(field_name, item, allow_inf, inf_hint)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_scalar(f"{field_name}.{key}", item, allow_inf, inf_hint)
 
 
 def _coerce(field_name: str, value: Any, kind) -> Any:
@@ -167,7 +230,7 @@ def _coerce(field_name: str, value: Any, kind) -> Any:
         if not isinstance(value, list) or not all(
                 isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
             raise _fail(field_name, f"expected a list of numbers, got {value!r}")
-        return [float(v) for v in value]
+        return [_float(field_name, v) for v in value]
     if kind is list:
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise _fail(field_name, f"expected a list of strings, got {value!r}")
@@ -184,10 +247,18 @@ def _coerce(field_name: str, value: Any, kind) -> Any:
     if base is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise _fail(field_name, f"expected a number, got {value!r}")
-        return float(value)
+        return _float(field_name, value)
     if not isinstance(value, str):
         raise _fail(field_name, f"expected a string, got {value!r}")
     return value
+
+
+def _float(field_name: str, value: int | float) -> float:
+    """A number as a float; an integer too large for one (10**400) is not a finite number."""
+    try:
+        return float(value)
+    except OverflowError:
+        raise _fail(field_name, f"must be a finite number, got {value}") from None
 
 
 def _build(cls, values: dict, prefix: str):
@@ -229,6 +300,10 @@ def import_plugins(modules: list[str]) -> None:
             importlib.import_module(name)
         except ImportError as exc:
             raise _fail("plugins", f"cannot import {name!r} ({exc})") from None
+        except Exception as exc:  # "" or ".rel" (ValueError, TypeError), a broken plugin
+            detail = " ".join(str(exc).split()) or "no message"
+            raise _fail("plugins", f"cannot import {name!r} "
+                                   f"({type(exc).__name__}: {detail})") from None
 
 
 def _positive(name: str, value, allow_zero: bool = False) -> None:
@@ -253,31 +328,106 @@ def validate(c: ExperimentConfig) -> None:
                         ("train.lr_decay", c.train.lr_decay), ("train.global_lr", c.train.global_lr),
                         ("eval.every", c.eval.every), ("eval.batch_size", c.eval.batch_size)):
         _positive(name, value)
-    for name, value in (("seed", c.seed), ("train.weight_decay", c.train.weight_decay),
+    for name, value in (("train.weight_decay", c.train.weight_decay),
                         ("train.clip_norm", c.train.clip_norm), ("system.threads", c.system.threads),
                         ("data.crop_padding", c.data.crop_padding),
                         ("data.public_size", c.data.public_size),
                         ("system.state_memory_mb", c.system.state_memory_mb),
                         ("system.checkpoint_every", c.system.checkpoint_every)):
         _positive(name, value, allow_zero=True)
+    _check_fixed(c, "")  # finite numbers, integers in range, no control characters
     if c.clients.per_round > c.clients.num:
         raise _fail("clients.per_round", f"{c.clients.per_round} exceeds clients.num = {c.clients.num}")
     _one_of("data.dataset", c.data.dataset, DATASETS)
     _validate_device(c.system.device)
+    _one_of("system.precision", c.system.precision, PRECISIONS)
     _one_of("data.public_from", c.data.public_from, {"train", "test"})
     _validate_skew(c)
     _validate_modality(c)
     _validate_probes(c)
     c.partition.params = partition_params(c.partition.kind, c.partition.params)
     check_dataset_options(c.data.dataset, c.data.options)
+    _validate_data_options(c)
     # Resolved = every parameter written out, so the results file says what actually ran.
     c.model.options = models.check_options(c.model.name, c.model.options)
+    # What the kind's and the model's own checks let through (NaN, 10**30): algorithm
+    # parameters are checked by algorithms.build, before their Params class sees them.
+    check_scalar("partition", c.partition.params)
+    check_scalar("model", c.model.options)
     c.algorithm.params = algorithms.resolved_params(c.algorithm.name, c.algorithm.params,
                                                     c.model.options)
+    _validate_paths(c)
+
+
+def _check_fixed(obj, prefix: str) -> None:
+    """``check_scalar`` on every fixed field of ``obj`` and its sections (open sections'
+    extra keys are checked with what they belong to)."""
+    open_field = _OPEN.get(prefix.rstrip("."))
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            _check_fixed(value, f"{f.name}.")
+        elif f.name != open_field:
+            check_scalar(prefix + f.name, value)
+
+
+def _validate_paths(c: ExperimentConfig) -> None:
+    """``name`` goes into file names; ``output`` must format to a file path that a file
+    system can create (one component at most 255 bytes); ``system.state_dir``, when it
+    exists, must be a directory (client state spills there mid-run)."""
+    if not c.name:
+        raise _fail("name", "must not be empty (it names the run and its results file)")
+    if "/" in c.name:
+        raise _fail("name", f"must not contain '/' (it goes into file names through {{name}}), "
+                            f"got {c.name!r}")
+    if not c.output:
+        raise _fail("output", "must not be empty; give a results file path, e.g. "
+                              "runs/{name}-{algorithm}-seed{seed}.h5")
     try:
-        c.output_path()
-    except (KeyError, IndexError, ValueError) as exc:
-        raise _fail("output", f"bad placeholder {exc}; allowed: {{name}} {{algorithm}} {{dataset}} {{seed}}")
+        path = c.output.format(**c.placeholders())
+    except (KeyError, IndexError, ValueError, AttributeError, TypeError) as exc:
+        raise _fail("output", f"bad placeholder {exc}; allowed: {{name}} {{algorithm}} "
+                              f"{{dataset}} {{seed}}") from None
+    if path.endswith("/") or Path(path).name in ("", ".", ".."):
+        raise _fail("output", f"{path!r} names a directory; give a results file path in it, "
+                              f"e.g. {path.rstrip('/') or '.'}/{{name}}.h5")
+    for part in Path(path).parts:
+        if len(part.encode()) > NAME_MAX:
+            raise _fail("output", f"file name {part[:40]}... is {len(part.encode())} bytes, "
+                                  f"more than the {NAME_MAX} a file system takes (shorten "
+                                  f"name or output)")
+    state_dir = c.system.state_dir
+    if state_dir and Path(state_dir).exists() and not Path(state_dir).is_dir():
+        raise _fail("system.state_dir", f"{state_dir} exists and is not a directory")
+
+
+# Least value of a dataset's integer option (counts and sizes), when not 1.
+_DATA_OPTION_LEAST = {"num_classes": 2}
+
+
+def _validate_data_options(c: ExperimentConfig) -> None:
+    """Dataset options (data.<option>) by the type of the loader's default: counts and
+    sizes integers >= 1, fractions finite numbers, folders strings. The loader checks
+    them again (ranges of its own, e.g. shakespeare's test_fraction in (0, 1)); here a
+    wrong type fails before any MPI work."""
+    import inspect
+
+    from .data import DATASETS
+
+    parameters = inspect.signature(DATASETS[c.data.dataset]).parameters
+    for key, value in c.data.options.items():
+        name, default = f"data.{key}", parameters[key].default
+        if isinstance(default, int) and not isinstance(default, bool):
+            least = _DATA_OPTION_LEAST.get(key, 1)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise _fail(name, f"must be an integer >= {least}, got {value!r}")
+        elif isinstance(default, float):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise _fail(name, f"expected a number, got {value!r}")
+        elif default is None or isinstance(default, str):
+            if not isinstance(value, str):
+                raise _fail(name, f"expected a string (a folder path), got {value!r}")
+        check_scalar(name, value)
 
 
 def _validate_skew(c: ExperimentConfig) -> None:
@@ -296,6 +446,7 @@ def _validate_skew(c: ExperimentConfig) -> None:
 
 
 PROBES = ("linear", "finetune", "spectrum")
+PRECISIONS = ("fp32", "tf32", "bf16")
 
 
 def _validate_probes(c: ExperimentConfig) -> None:
@@ -353,6 +504,8 @@ def _read_toml(text: str, origin: str) -> dict:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise UsageError(f"{origin}: not valid TOML ({exc})") from None
+    except RecursionError:
+        raise UsageError(f"{origin}: not valid TOML (arrays or tables nested too deeply)") from None
 
 
 def load_preset(name: str) -> dict:
@@ -362,11 +515,42 @@ def load_preset(name: str) -> dict:
     return _read_toml(text, f"preset {name}")
 
 
+# A config is a few KB of TOML; past this it is something else (a results file, a device).
+CONFIG_MAX_BYTES = 16 * 2 ** 20
+
+
 def load_file(path: str | Path) -> dict:
+    """A TOML config file; a missing, unreadable or binary one (a PNG, a results file) is
+    a one-line UsageError that names the path. A UTF-8 byte order mark is skipped."""
+    return read_toml_file(path, "config file")
+
+
+def read_toml_file(path: str | Path, what: str) -> dict:
+    """The TOML file ``path`` (``what``: "config file", "sweep file") as a dict; every way
+    it can fail is a one-line UsageError that starts with ``what`` and the path."""
     path = Path(path)
-    if not path.is_file():
-        raise UsageError(f"config file {path} does not exist")
-    return _read_toml(path.read_text(), str(path))
+    if path.is_dir():
+        raise UsageError(f"{what} {path} is a directory")
+    if not path.exists():
+        raise UsageError(f"{what} {path} does not exist")
+    try:
+        with open(path, "rb") as f:  # also a pipe: fedmpi run <(...)
+            data = f.read(CONFIG_MAX_BYTES + 1)
+    except OSError as exc:
+        raise UsageError(f"{what} {path} cannot be read ({exc.strerror or exc})") from None
+    if len(data) > CONFIG_MAX_BYTES:
+        raise UsageError(f"{what} {path} is not a TOML text file (more than "
+                         f"{CONFIG_MAX_BYTES // 2 ** 20} MiB)")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{what} {path} is not a TOML text file (byte "
+                         f"0x{data[exc.start]:02x} at offset {exc.start} is not UTF-8)") from None
+    if "\0" in text:  # valid UTF-8, but TOML forbids it: a binary file
+        raise UsageError(f"{what} {path} is not a TOML text file (NUL byte at offset "
+                         f"{data.index(0)})")
+    text = text.removeprefix("\ufeff")  # the byte order mark some editors write
+    return _read_toml(text, f"{what} {path}")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -379,6 +563,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         value = tomllib.loads(f"v = {raw.strip()}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw.strip()
+    except RecursionError:
+        raise UsageError(f"--set {key.strip()}=...: value nested too deeply") from None
     return key.strip().split("."), value
 
 

@@ -57,7 +57,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import re
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -172,12 +171,9 @@ def cell_status(cell: Cell) -> str:
 # ---- parsing ----------------------------------------------------------------------------
 
 def _read(path: Path) -> dict:
-    if not path.is_file():
-        raise UsageError(f"sweep file {path} does not exist")
-    try:
-        return tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise UsageError(f"sweep file {path}: not valid TOML ({exc})") from None
+    from .config import read_toml_file
+
+    return read_toml_file(path, "sweep file")
 
 
 def _string(path: Path, values: dict, key: str, default: str) -> str:

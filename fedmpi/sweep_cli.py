@@ -29,7 +29,7 @@ def _one_line_errors(command):
 
 
 @click.command()
-@click.argument("sweep_file", type=click.Path(dir_okay=False))
+@click.argument("sweep_file")   # a plain string: the loader says what is wrong in one line
 @click.option("--count", is_flag=True, help="Print the number of cells (sbatch --array=0-(N-1)).")
 @click.option("--cell", "cell_index", type=int, metavar="I", help="Show cell I only.")
 @click.option("--print-args", is_flag=True,

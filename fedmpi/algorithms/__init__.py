@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..config import check_scalar
 from ..errors import UsageError
 from .base import (REGISTRY, Algorithm, ClientTask, RoundContext, Upload, default_of,
                    params_table, register)
@@ -60,6 +61,13 @@ def _in_d(n: int, big: int) -> str:
     return text or "0"
 
 
+# The parameters that take infinity, (algorithm, parameter) -> what it means; every other
+# number must be finite, and NaN never is a parameter. A plugin may add its own.
+INFINITE_PARAMS: dict[tuple[str, str], str] = {
+    ("fedu", "mu"): "always the global predictor, i.e. FedBYOL",
+}
+
+
 def build(name: str, params: dict) -> Algorithm:
     """The algorithm ``name`` with ``params`` checked against its Params dataclass."""
     cls = _lookup(name)
@@ -71,7 +79,20 @@ def build(name: str, params: dict) -> Algorithm:
             raise UsageError(f"config field algorithm.{key}: {name} has no such parameter; "
                              f"allowed: {allowed}")
         values[key] = _checked(f"algorithm.{key}", value, default_of(fields[key]))
+        _finite(name, key, values[key])
     return cls(cls.Params(**values))
+
+
+def _finite(name: str, key: str, value) -> None:
+    """Numbers finite and integers in int64 range (config.check_scalar), through lists;
+    infinity only where INFINITE_PARAMS lists it. A table parameter (FNR-FL's base_params)
+    is checked by the build it is passed to."""
+    if isinstance(value, dict):
+        return
+    allowed = (name, key) in INFINITE_PARAMS
+    hint = "" if allowed else "; inf only for " + ", ".join(
+        f"{a}'s algorithm.{p} ({meaning})" for (a, p), meaning in INFINITE_PARAMS.items())
+    check_scalar(f"algorithm.{key}", value, allow_inf=allowed, inf_hint=hint)
 
 
 def _checked(field: str, value, default):
@@ -83,7 +104,11 @@ def _checked(field: str, value, default):
     if kind is tuple and isinstance(value, (list, tuple)):
         return tuple(value)
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        try:
+            return float(value)  # host sync: none, config time (a Python int)
+        except OverflowError:  # 10**400
+            raise UsageError(f"config field {field}: must be a finite number, "
+                             f"got {value}") from None
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         raise UsageError(f"config field {field}: expected {kind.__name__}, got {value!r}")
     return value

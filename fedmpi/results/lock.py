@@ -40,6 +40,7 @@ class RunLock:
         path = lock_path(results_path)
         for _ in range(10):   # the holder may release (and unlink) between open and flock
             try:
+                path.parent.mkdir(parents=True, exist_ok=True)
                 fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
             except OSError as exc:
                 raise UsageError(f"results file {results_path}: cannot create {path} "
