@@ -20,17 +20,23 @@ def chunks_of(num_samples: int, chunk_size: int, worker: int, num_workers: int) 
 
 @torch.no_grad()
 def evaluate_chunks(module, data, chunk_ids: list[int], chunk_size: int) -> np.ndarray:
-    """Rows (chunk, correct, loss_sum, count) as float64 for this worker's chunks."""
+    """Rows (chunk, correct, loss_sum, count) as float64 for this worker's chunks.
+
+    Each chunk's (correct, loss) stays on the device; the host reads them all at once."""
     module.eval()
     rows = np.zeros((len(chunk_ids), 4))
     n = len(data.test_y)
+    sums = []
     for row, j in enumerate(chunk_ids):
         sl = slice(j * chunk_size, min((j + 1) * chunk_size, n))
         logits = module(data.prepare(data.test_x[sl], None))
         y = data.test_y[sl]
         loss = F.cross_entropy(logits, y, reduction="sum")
         correct = (logits.argmax(1) == y).sum()
-        rows[row] = (j, float(correct), float(loss), len(y))
+        sums.append(torch.stack([correct.double(), loss.double()]))  # exact, as float() was
+        rows[row, 0], rows[row, 3] = j, len(y)
+    if sums:
+        rows[:, 1:3] = torch.stack(sums).cpu().numpy()  # host sync: once per evaluation
     return rows
 
 
@@ -79,6 +85,7 @@ def knn_accuracy(partials, test_y, num_classes: int, k: int = KNN_K,
     from .ssl_eval import knn_merge
 
     predictions = knn_merge([p for p in partials if p is not None], k, temperature, num_classes)
+    # host sync: once per evaluation, on the server
     return float((predictions.cpu() == test_y.cpu()).double().mean())
 
 
@@ -138,4 +145,4 @@ def spectrum(parts) -> np.ndarray:
 
     chunks = sorted((c for part in parts for c in part), key=lambda c: c[0])
     sums = combine_covariance_sums([s for _, s in chunks])
-    return spectrum_from_sums(sums).cpu().numpy()
+    return spectrum_from_sums(sums).cpu().numpy()  # host sync: once per evaluation, server

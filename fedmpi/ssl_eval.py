@@ -103,6 +103,14 @@ def features(encoder: nn.Module, x: torch.Tensor, prepare: Prepare | None = None
 
 # ---- kNN monitor -------------------------------------------------------------------------
 
+def _host(tensor: torch.Tensor):
+    return tensor.detach().cpu().numpy()  # host sync: once per evaluation, to cross ranks
+
+
+def _from_host(cls, *fields):
+    return cls(*(torch.from_numpy(f) if hasattr(f, "dtype") else f for f in fields))
+
+
 @dataclass(frozen=True)
 class KnnPartial:
     """Each test sample's k best bank entries, ordered by (sim descending, index ascending).
@@ -113,6 +121,11 @@ class KnnPartial:
     index: torch.Tensor   # [N, k] int64 bank indices (position in the whole training set)
     labels: torch.Tensor  # [N, k] int64 labels of those bank entries
 
+    def __reduce__(self):
+        """Workers send these to the server: as host arrays, arriving as CPU tensors (a
+        pickled GPU tensor would be unpickled onto a GPU the server must not touch)."""
+        return _from_host, (KnnPartial, *(_host(t) for t in (self.sims, self.index, self.labels)))
+
 
 def _first_k(sims: torch.Tensor, index: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k first by (sim desc, index asc); equal sims must already be in index order."""
@@ -121,14 +134,21 @@ def _first_k(sims: torch.Tensor, index: torch.Tensor, k: int) -> tuple[torch.Ten
 
 
 def _block_best(sims: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A block's k best columns by (sim desc, column asc), returned in column order."""
-    if sims.shape[1] <= k:
-        return sims, torch.arange(sims.shape[1], device=sims.device).expand_as(sims)
-    values, cols = sims.topk(k, dim=1, sorted=False)  # several times cheaper than a sort
-    unique = bool(((sims >= values.min(1, keepdim=True).values).sum(1) == k).all())
-    if not unique:  # a tie at the k-th value: topk's choice among equals is arbitrary
-        cols = torch.sort(sims, dim=1, descending=True, stable=True).indices[:, :k]
-    cols = cols.sort(1).values
+    """A block's k best columns by (sim desc, column asc), returned in column order.
+
+    topk's choice among values tied with the k-th is arbitrary, so it only gives the k-th
+    value: every column above it is kept, then the first columns equal to it up to k. Exact
+    without asking the host whether there is a tie. NaN counts as the largest value, as in
+    a sort (similarities of normalised features are never infinite)."""
+    n = sims.shape[1]
+    column = torch.arange(n, device=sims.device)
+    if n <= k:
+        return sims, column.expand_as(sims)
+    key = sims.masked_fill(sims.isnan(), math.inf)
+    kth = key.topk(k, dim=1, sorted=False).values.min(1, keepdim=True).values  # k-th largest
+    above, tied = key > kth, key == kth
+    keep = above | (tied & (tied.cumsum(1) <= k - above.sum(1, keepdim=True)))
+    cols = torch.where(keep, column, n).topk(k, dim=1, largest=False).values  # ascending
     return sims.gather(1, cols), cols
 
 
@@ -173,9 +193,11 @@ def knn_partial(test_feats: torch.Tensor, bank_feats: torch.Tensor, bank_labels:
               for t in range(0, len(test_feats), TEST_BLOCK)]
     sims = torch.cat([s for s, _ in blocks]) if blocks else test_feats.new_zeros((0, k))
     index = torch.cat([i for _, i in blocks]) if blocks else sims.new_zeros((0, k), dtype=torch.int64)
-    found = index != _NO_INDEX
     labels = torch.zeros_like(index)
-    labels[found] = bank_labels.to(index.device, torch.int64)[index[found] - bank_offset]
+    if len(bank_labels):
+        found = index != _NO_INDEX  # used as a mask: boolean indexing would wait for the host
+        rows = torch.where(found, index - bank_offset, 0)
+        labels = torch.where(found, bank_labels.to(index.device, torch.int64)[rows], labels)
     return KnnPartial(sims, index, labels)
 
 
@@ -256,6 +278,7 @@ def linear_probe(train_feats: torch.Tensor, train_labels: torch.Tensor, test_fea
             loss.backward()
             optimizer.step()
     with torch.no_grad():
+        # host sync: once per probe, its result
         return float((head(test_feats).argmax(1) == test_labels).float().mean())
 
 
@@ -265,6 +288,7 @@ def stratified_subset(labels, fraction: float, seed: int) -> np.ndarray:
     """Sorted indices of round(fraction * n_c) (at least 1) random samples of each class c."""
     if not isinstance(fraction, (int, float)) or isinstance(fraction, bool) or not 0 < fraction <= 1:
         raise UsageError(f"fraction must be in (0, 1], got {fraction!r}")
+    # host sync: once per evaluation, before any training
     labels = np.asarray(labels.cpu() if isinstance(labels, torch.Tensor) else labels)
     rng = np.random.default_rng(seed)
     chosen = []
@@ -308,11 +332,12 @@ class FineTuneResult:
 @torch.no_grad()
 def _accuracy(model: nn.Module, x, y, prepare, chunk_size: int) -> float:
     model.eval()
-    correct = 0
+    correct = 0  # a device tensor after the first chunk: one read at the end
     for start in range(0, len(x), chunk_size):
         logits = model(_as_input(x[start:start + chunk_size], prepare))
-        correct += int((logits.argmax(1) == y[start:start + chunk_size].to(logits.device)).sum())
-    return correct / len(x)
+        labels = y[start:start + chunk_size].to(logits.device)
+        correct = correct + (logits.argmax(1) == labels).sum()
+    return int(correct) / len(x)  # host sync: once per evaluation, its result
 
 
 def fine_tune(encoder: nn.Module, train_x: torch.Tensor, train_y: torch.Tensor,
@@ -370,6 +395,10 @@ class CovarianceSums:
     mean: torch.Tensor     # [F]
     scatter: torch.Tensor  # [F, F] sum_i (z_i - mean)(z_i - mean)^T
 
+    def __reduce__(self):
+        """Sent to the server as host arrays, like ``KnnPartial``."""
+        return _from_host, (CovarianceSums, self.n, _host(self.mean), _host(self.scatter))
+
 
 def covariance_sums(feats: torch.Tensor) -> CovarianceSums:
     z = feats.detach().double()
@@ -415,4 +444,4 @@ def effective_rank(singular_values: torch.Tensor) -> float:
     """exp(-sum p_i log p_i), p = sigma / sum sigma (Roy & Vetterli 2007): 1 to F."""
     s = singular_values.double().clamp(min=0)
     p = s[s > 0] / s.sum()
-    return float(torch.exp(-(p * p.log()).sum())) if len(p) else 0.0
+    return float(torch.exp(-(p * p.log()).sum())) if len(p) else 0.0  # host sync: a summary, once

@@ -3,8 +3,10 @@ each worker's GPU (no GPU here: torch's CUDA queries are faked, and the node's w
 come from a real mpirun's shared-memory split)."""
 
 import json
+import os
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -150,3 +152,66 @@ def test_gpu_mapping_under_mpirun(visibility, gpu_count, requested, share, expec
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     got = {r["rank"]: r.get("device", "error") for r in lines}
     assert got == {0: "cpu", **expected}, lines
+
+
+# ---- numerics: deterministic kernels and precision --------------------------------------
+
+def test_deterministic_cuda_flags_are_set_for_the_run_and_restored(monkeypatch):
+    """Only flags and an environment variable: no GPU is touched, so this runs here."""
+    from fedmpi.runtime.system import CUBLAS_WORKSPACE, numerics
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+              torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
+              torch.are_deterministic_algorithms_enabled())
+    with numerics(torch.device("cuda", 0), "fp32", deterministic=True):
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == CUBLAS_WORKSPACE
+        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+    with numerics(torch.device("cuda", 0), "tf32", deterministic=False):
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+        assert not torch.are_deterministic_algorithms_enabled()
+    after = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
+             torch.are_deterministic_algorithms_enabled())
+    assert after == before and "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+    with numerics(torch.device("cpu"), "tf32", deterministic=True):   # nothing to set on a CPU
+        assert torch.backends.cuda.matmul.allow_tf32 == before[0]
+        assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_bf16_on_a_cpu_without_native_bfloat16_is_refused(monkeypatch):
+    from fedmpi.runtime import system
+
+    monkeypatch.setattr(system, "_cpu_has_bf16", lambda: False)
+    with pytest.raises(UsageError, match="system.precision: 'bf16' on a CPU without native"):
+        system.autocast_dtype(torch.device("cpu"), "bf16")
+    assert system.autocast_dtype(torch.device("cuda", 0), "bf16") == torch.bfloat16
+    assert system.autocast_dtype(torch.device("cpu"), "fp32") is None
+
+
+def test_bf16_training_keeps_fp32_master_weights_and_is_reproducible(tmp_path):
+    from fedmpi import config as cfgmod
+    from fedmpi.comm import LocalComm
+    from fedmpi.results import RunFile
+    from fedmpi.runtime import run_experiment
+    from fedmpi.runtime.system import _cpu_has_bf16
+    from helpers import TINY, merged
+
+    if not _cpu_has_bf16():
+        pytest.skip("this CPU has no native bfloat16")
+    finals = {}
+    for name, precision in (("a", "bf16"), ("b", "bf16"), ("fp32", "fp32")):
+        values = merged(TINY, rounds=2, system={"precision": precision, "deterministic": True})
+        values["output"] = str(tmp_path / f"{name}.h5")
+        exp = run_experiment(cfgmod.from_dict(values), LocalComm(), quiet=True)
+        assert exp.flat.params.dtype == torch.float32 and exp.autocast == (
+            torch.bfloat16 if precision == "bf16" else None)
+        with RunFile(values["output"]) as run:
+            assert run.config["system"]["precision"] == precision
+            assert np.isfinite(run.rounds()["train_loss"]).all()
+            finals[name] = run.model()
+    assert np.array_equal(finals["a"], finals["b"])          # bf16 is deterministic too
+    assert not np.array_equal(finals["a"], finals["fp32"])    # and really ran in bf16
+    assert np.allclose(finals["a"], finals["fp32"], atol=0.05)

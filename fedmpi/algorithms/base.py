@@ -89,6 +89,9 @@ class ClientTask:
     ``loss_fn(module, x, y)`` is the task's training loss (cross-entropy when None);
     tests give quadratic clients a closed-form loss through it. ``public`` is the
     server-side labelled set (config ``data.public_size``; FNR-FL), None without one.
+    ``autocast``: the dtype each training step's forward and loss run in under autocast
+    (``system.precision = "bf16"``), None for full precision; the flat parameters, their
+    gradients and the update stay FP32 either way.
     """
 
     client: int
@@ -97,6 +100,7 @@ class ClientTask:
     device: torch.device
     loss_fn: Callable | None = None
     public: ClientData | None = None
+    autocast: torch.dtype | None = None
 
 
 @dataclass
@@ -168,6 +172,7 @@ class Algorithm:
     def server_update(self, state, sums: dict[str, torch.Tensor],
                       gathered: dict[str, np.ndarray], ctx: RoundContext) -> None:
         """x <- x + eta_g * sum_i n_i Delta_i / sum_i n_i (n_i-weighted, ALGORITHMS.md 3)."""
+        # host sync: server, once per round
         state["x"].add_(sums["delta"], alpha=ctx.global_lr / float(sums["weight"]))
 
     def gram_weighted(self, phase: str) -> bool:

@@ -61,6 +61,7 @@ def _stack(deltas) -> torch.Tensor:
 def directions(deltas, variant: str) -> torch.Tensor:
     """v_k = -2 Delta_k / s_k as [K, d] (0 for Delta_k = 0); deltas [K, d] or K tensors."""
     stacked = _stack(deltas)
+    # host sync: server side, once per round
     norms = torch.linalg.vector_norm(stacked.double(), dim=1).cpu().numpy()
     coef = -2 * _inverse(_scales(norms, variant))
     return stacked * torch.as_tensor(coef, dtype=stacked.dtype, device=stacked.device)[:, None]
@@ -117,7 +118,7 @@ def _wolfe(g: np.ndarray, gap_tol: float) -> np.ndarray:
     support, lam = [int(np.argmin(np.diag(g)))], np.ones(1)
     for _ in range(50 * k + 100):  # finite in exact arithmetic; the cap guards rounding
         gp = g[:, support] @ lam
-        j, value = int(np.argmin(gp)), float(lam @ gp[support])
+        j, value = int(np.argmin(gp)), float(lam @ gp[support])  # host sync: none, numpy
         if value - gp[j] <= gap_tol or j in support:
             break
         grown, weights = _minor_cycles(g, support + [j], np.append(lam, 0.0))
@@ -136,7 +137,7 @@ def _minor_cycles(g: np.ndarray, support: list[int], lam: np.ndarray):
         if np.all(alpha > 0):
             return support, alpha
         out = alpha <= 0
-        ratio = np.zeros(int(out.sum()))
+        ratio = np.zeros(int(out.sum()))  # host sync: none, numpy
         np.divide(lam[out], lam[out] - alpha[out], out=ratio, where=lam[out] - alpha[out] > 0)
         theta = float(np.min(ratio))
         lam = (1 - theta) * lam + theta * alpha
@@ -147,7 +148,7 @@ def _minor_cycles(g: np.ndarray, support: list[int], lam: np.ndarray):
 
 
 def _norm2(g: np.ndarray, support: list[int], lam: np.ndarray) -> float:
-    return float(lam @ g[np.ix_(support, support)] @ lam)
+    return float(lam @ g[np.ix_(support, support)] @ lam)  # host sync: none, numpy
 
 
 def _affine_minimiser(g_ss: np.ndarray) -> np.ndarray:
@@ -171,7 +172,7 @@ def duality_gap(gram, p) -> float:
     """Frank-Wolfe gap p^T G p - min_k (G p)_k: >= p^T G p - min over the simplex."""
     g, p = np.asarray(gram, dtype=np.float64), np.asarray(p, dtype=np.float64)
     gp = g @ p
-    return float(p @ gp - gp.min())
+    return float(p @ gp - gp.min())  # host sync: none, numpy
 
 
 def eua_weights(inner_products, variant: str, norms=None) -> np.ndarray:

@@ -27,23 +27,25 @@ def class_feature_norms(module, data, num_classes: int) -> tuple[torch.Tensor, f
     """(F [C], accuracy) of ``module`` over one pass of ``data`` (a ClientData).
 
     Classes with no sample get F = 0: they never occur in a batch, so their Delta is unused.
+    Sums and counts stay on the device until the pass is over (one read, not one per batch).
     """
     was_training = module.training
     module.eval()
-    sums = None
-    counts = torch.zeros(num_classes, dtype=torch.float64)
-    correct = 0
+    sums = counts = correct = None
     for x, y in data.batches(1, MEASURE_BATCH):
         feats = module.features(x)
         norms = torch.linalg.vector_norm(feats.flatten(1), dim=1).double()
         if sums is None:
             sums = torch.zeros(num_classes, dtype=torch.float64, device=norms.device)
+            counts = torch.zeros_like(sums)
+            correct = torch.zeros((), dtype=torch.int64, device=norms.device)
         sums.index_add_(0, y, norms)
-        counts += torch.bincount(y, minlength=num_classes).cpu().double()
-        correct += int((module.classifier(feats).argmax(1) == y).sum())
+        counts += class_counts(y, num_classes, torch.float64)
+        correct += (module.classifier(feats).argmax(1) == y).sum()
     module.train(was_training)
-    total = float(counts.sum())
-    means = sums.cpu() / counts.clamp_min(1.0)
+    sums, counts = sums.cpu(), counts.cpu()  # host sync: once per measurement, its result
+    total, correct = float(counts.sum()), int(correct)  # host sync: once per measurement
+    means = sums / counts.clamp_min(1.0)
     return means.float(), correct / max(total, 1.0)
 
 
@@ -69,9 +71,16 @@ def norm_targets(norms: np.ndarray, selected: np.ndarray, over: str) -> np.ndarr
         if len(selected) else np.zeros((0, norms.shape[1]))
 
 
+def class_counts(y: torch.Tensor, num_classes: int, dtype=torch.float32) -> torch.Tensor:
+    """n_l(B) for every class, exact integers as ``dtype``: torch.bincount would read the
+    labels' maximum on the host (a GPU sync) to size its output."""
+    return torch.zeros(num_classes, dtype=dtype, device=y.device).index_add_(
+        0, y, torch.ones(y.shape, dtype=dtype, device=y.device))
+
+
 def class_weights(y: torch.Tensor, num_classes: int) -> torch.Tensor:
     """rho_l = n_l(B) / |B| for every class (0 for classes not in the batch)."""
-    return torch.bincount(y, minlength=num_classes).to(torch.float32) / y.numel()
+    return class_counts(y, num_classes) / y.numel()
 
 
 def constant_penalty(y: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
@@ -82,7 +91,7 @@ def constant_penalty(y: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
 def differentiable_penalty(feats: torch.Tensor, y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """sum_{l in B} rho_l (Fbar_j[l] - F_j^B[l])^2, F_j^B with gradient (NOT in the paper)."""
     norms = torch.linalg.vector_norm(feats.flatten(1), dim=1)
-    counts = torch.bincount(y, minlength=target.numel()).to(norms.dtype)
+    counts = class_counts(y, target.numel(), norms.dtype)
     sums = torch.zeros_like(target, dtype=norms.dtype).index_add(0, y, norms)
     batch_means = sums / counts.clamp_min(1.0)
     return ((counts / y.numel()) * (target - batch_means).square()).sum()
@@ -112,4 +121,4 @@ class RefineLoss:
         return loss + self.lam * penalty
 
     def mean_penalty(self) -> float:
-        return float(self.penalty_sum) / max(self.calls, 1)
+        return float(self.penalty_sum) / max(self.calls, 1)  # host sync: once per client

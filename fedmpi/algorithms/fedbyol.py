@@ -65,7 +65,7 @@ class FedBYOL(Algorithm):
     # ---- client ----
     def local_update(self, task, payload, client_state, ctx):
         x = payload["x"]
-        seen = bool(client_state["seen"].item())
+        seen = bool(client_state["seen"].item())  # host sync: once per client
         start, target_start = self.start(x, client_state, ctx, seen)
         task.model.load(start)
         target = self._target_of(task.model)

@@ -49,6 +49,7 @@ class FedCM(FedAvg):
                 "K": torch.zeros(1, dtype=torch.float64)}   # K = 0: no update yet, m = 0
 
     def payload(self, state, ctx):
+        # host sync: server, once per round
         m = momentum.gradient_units(state["D"], float(state["K"]), ctx.lr_prev)
         return {"x": state["x"], "m": m}
 
@@ -60,5 +61,5 @@ class FedCM(FedAvg):
 
     def server_update(self, state, sums, gathered, ctx):
         super().server_update(state, sums, gathered, ctx)
-        state["D"] = sums["delta"] / float(sums["weight"])
+        state["D"] = sums["delta"] / float(sums["weight"])  # host sync: server, once per round
         state["K"][0] = momentum.mean_steps(gathered, weighted=True)

@@ -55,12 +55,14 @@ class FedEMA(FedBYOL):
 
     @staticmethod
     def trained_last_round(client_state, ctx, seen: bool) -> bool:
+        # host sync: once per client
         return seen and int(client_state["last_round"].item()) == ctx.round - 1
 
     def mu_k(self, client_state, ctx, seen: bool) -> float:
         """min(lambda_k delta_k, 1) if the client trained in round t - 1, else 0 (global)."""
         if not self.trained_last_round(client_state, ctx, seen):
             return 0.0
+        # host sync: once per client
         return min(float(client_state["lam"].item()) * float(client_state["divergence"].item()), 1.0)
 
     def start(self, x, client_state, ctx, seen):

@@ -76,6 +76,7 @@ class FedExP(FedAvg):
 
     def step(self, sums, ctx) -> float:
         """eta_g^t from the reduced contributions."""
+        # host sync: server, once per round
         mean_sq_norm = float(sums["sq_norm"]) / float(sums["weight"])
         return server_opt.extrapolation(mean_sq_norm, server_opt.mean_update(sums), self.epsilon(ctx))
 

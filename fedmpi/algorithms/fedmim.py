@@ -31,7 +31,7 @@ from .base import Algorithm, Params, Upload, register
 def _float_tuple(name: str, value) -> tuple[float, ...]:
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
         raise UsageError(f"config field algorithm.{name}: must be numbers, got {list(value)}")
-    values = tuple(float(v) for v in value)
+    values = tuple(float(v) for v in value)  # host sync: none, config time (numbers)
     if not all(math.isfinite(v) for v in values):
         raise UsageError(f"config field algorithm.{name}: must be finite numbers, got {list(value)}")
     return values
@@ -97,6 +97,7 @@ class FedMIM(Algorithm):
         """(1/S) sum_i ||x_i - xbar||^2 = mean_i ||Delta_i||^2 - ||Dbar||^2 (same start x^t)."""
         s = len(gathered["client"])
         mean = sums["delta"].double() / s
+        # host sync: server diagnostics, once per round
         return {"fedmim_local_consistency": float(np.mean(gathered["delta_sq"]) - mean.square().sum())}
 
     def local_update(self, task, payload, client_state, ctx):
@@ -133,7 +134,7 @@ def inertial_train(task, ctx, inertia: torch.Tensor, lookahead: torch.Tensor,
     flat, module = task.model, task.model.module
     n = flat.num_params
     params, inertia, lookahead = flat.params[:n], inertia[:n], lookahead[:n]
-    moved = bool(lookahead.any())
+    moved = bool(lookahead.any())  # host sync: once per client, before the loop
     anchor = torch.empty_like(params)
     loss_fn = task.loss_fn or local_sgd.cross_entropy
     module.train()
@@ -151,4 +152,4 @@ def inertial_train(task, ctx, inertia: torch.Tensor, lookahead: torch.Tensor,
         params.add_(inertia)
         total += loss.detach()
         steps += 1
-    return float(total) / max(steps, 1), steps
+    return float(total) / max(steps, 1), steps  # host sync: once per client, its loss

@@ -112,6 +112,7 @@ class FedMRUR(MoFedSAM):
             gradient, dist_sum = self.regularized_sam(task, self.global_model(task, x))
         upload = local_sgd.local_update(task, x, ctx, self.correction(payload),
                                         gradient_fn=gradient)
+        # host sync: once per client, after training
         mean = math.nan if dist_sum is None else float(dist_sum) / max(upload.steps, 1)
         upload.extras["lorentz_dist2"] = torch.tensor([mean], dtype=torch.float64)
         return upload

@@ -81,6 +81,7 @@ class FedNova(Algorithm):
         return {"normalized": d, "weight": 1}
 
     def server_update(self, state, sums, gathered, ctx):
+        # host sync: server, once per round
         state["x"].sub_(sums["normalized"],
                         alpha=ctx.global_lr * self._tau_eff(gathered) / float(sums["weight"]))
 
@@ -105,7 +106,7 @@ class FedNova(Algorithm):
         return upload
 
     def contribution(self, upload):
-        n, a = float(upload.num_samples), float(upload.extras["a"])
+        n, a = float(upload.num_samples), float(upload.extras["a"])  # host sync: none, a CPU tensor
         # n_i d_i = -n_i Delta_i / a_i; a client without a step contributes only its weight
         scale = -n / a if a > 0 else 0.0
         return {"normalized": upload.delta * scale,

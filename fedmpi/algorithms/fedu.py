@@ -48,6 +48,7 @@ class FedU(FedBYOL):
 
     def start(self, x, client_state, ctx, seen):
         online, target = super().start(x, client_state, ctx, seen)
+        # host sync: once per client
         if not seen or float(client_state["divergence"].item()) < self.params.mu:
             return online, target
         online = online.clone()

@@ -201,7 +201,7 @@ class FedU2(FedBYOL):
         if self.params.eua_step == "fixed":
             return self.params.eua_lr * coef
         scales = norms ** 2 if self.params.eua == "paper" else norms
-        return ctx.global_lr * float(scales.mean()) / 2 * coef
+        return ctx.global_lr * float(scales.mean()) / 2 * coef  # host sync: none, server numpy
 
     def server_update(self, state, sums, gathered, ctx):
         if not self.gram_weighted(ctx.phase):
@@ -213,5 +213,6 @@ class FedU2(FedBYOL):
         if p is None:
             return {name: math.nan for name in self.diagnostic_fields}
         positive = p[p > 0]
+        # host sync: none, server diagnostics on numpy
         return {"eua_weight_max": float(p.max()), "eua_weight_min": float(p.min()),
                 "eua_clients_effective": float(np.exp(-(positive * np.log(positive)).sum()))}

@@ -115,7 +115,7 @@ class FNRFL(Algorithm):
 
     def phase_participants(self, state, phase, sampled):
         if phase == "refine":
-            return state["fnr_selected"].numpy()
+            return state["fnr_selected"].numpy()  # host sync: none, server state on the CPU
         return self.base.phase_participants(state, phase, sampled)
 
     def payload(self, state, ctx):
@@ -129,6 +129,7 @@ class FNRFL(Algorithm):
             self.base.server_update(state, sums, gathered, ctx)
             self._select(state, gathered)
         else:  # the refined w_j' replace w_j in the n_i-weighted average
+            # host sync: server, once per round
             state["x"].add_(sums["fnr_refined"], alpha=ctx.global_lr / float(state["fnr_weight"]))
 
     def _select(self, state, gathered) -> None:
@@ -141,6 +142,7 @@ class FNRFL(Algorithm):
             norms, chosen, self.params.delta_over)
         state["fnr_selected"] = torch.as_tensor(gathered["client"][chosen].astype(np.int64))
         state["fnr_signal"] = torch.as_tensor(signal, dtype=torch.float32)
+        # host sync: none, server numpy
         state["fnr_weight"] = torch.tensor([float(gathered["n_samples"].sum())])
 
     def eval_params(self, state):
@@ -178,6 +180,7 @@ class FNRFL(Algorithm):
 
     def _refine(self, task, payload, client_state, ctx):
         """E_re epochs on public batches from the client's own w_j; uploads w_j' - w_j."""
+        # host sync: once per refined client, before training
         row = int((payload["fnr_clients"] == task.client).nonzero()[0, 0])
         signal = payload["fnr_signal"].view(-1, self.params.num_classes)[row]
         w = client_state["fnr_model"]

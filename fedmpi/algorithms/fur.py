@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from fedmpi.errors import UsageError
 
 STEPS = ("eq6", "projected")
+STOP_CHECK = 10  # UOT steps between the host's reads of the stop flag on a GPU
 _ACOS_EPS = {torch.float32: 1e-4, torch.float64: 1e-7}  # geoopt Sphere's clamp of <x, y>
 
 
@@ -64,20 +65,25 @@ def uot_plan(cost: torch.Tensor, a: torch.Tensor, b: torch.Tensor, tau_a: float 
     """pi* of min_{pi >= 0} <C, pi> + tau_a/2||pi1 - a||^2 + tau_b/2||pi^T 1 - b||^2.
 
     At most ``iters`` steps from a b^T; stops once ||pi_new - pi||_F <= tol ||pi||_F or
-    the step direction vanishes (a KKT point).
+    the step direction vanishes (a KKT point). The stop is decided on the device: pi
+    freezes there, and the host reads the flag only every ``STOP_CHECK`` steps on a GPU
+    (every step on the CPU, where reading costs nothing); the extra steps leave pi as it is.
     """
     pi = torch.outer(a, b).to(cost.dtype)
-    for _ in range(iters):
+    stopped = torch.zeros((), dtype=torch.bool, device=cost.device)
+    check = 1 if cost.device.type == "cpu" else STOP_CHECK
+    for i in range(iters):
         grad = cost + tau_a * (pi.sum(1) - a)[:, None] + tau_b * (pi.sum(0) - b)[None, :]
         if step == "projected":
             grad = grad.masked_fill((pi <= 0) & (grad > 0), 0.0)
         curvature = tau_a * grad.sum(1).square().sum() + tau_b * grad.sum(0).square().sum()
-        if float(curvature) <= 0:  # D = 0, or D 1 = D^T 1 = 0: no descent along D
-            break
+        flat = curvature <= 0  # D = 0, or D 1 = D^T 1 = 0: no descent along D, pi stays
         new = (pi - grad * (grad.square().sum() / curvature)).clamp_min_(0)
         change, size = torch.linalg.vector_norm(new - pi), torch.linalg.vector_norm(pi)
-        pi = new
-        if float(change) <= tol * float(size):
+        pi = torch.where(stopped | flat, pi, new)
+        # compared in float64 as the host did (tol * size rounded to float32 could differ)
+        stopped = stopped | flat | (change.double() <= tol * size.double())
+        if (i + 1) % check == 0 and bool(stopped):  # host sync: the stop, every `check` steps
             break
     return pi
 

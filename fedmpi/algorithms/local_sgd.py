@@ -37,7 +37,7 @@ def sgd_step(params: torch.Tensor, grads: torch.Tensor, lr: float, weight_decay:
     if clip_norm > 0:
         norm = torch.linalg.vector_norm(grads)
         if grads.device.type == "cpu":
-            scale = min(1.0, clip_norm / (float(norm) + 1e-6))
+            scale = min(1.0, clip_norm / (float(norm) + 1e-6))  # host sync: CPU only, no wait
         else:
             grads.mul_(torch.clamp(clip_norm / (norm + 1e-6), max=1.0))
     if weight_decay:
@@ -47,6 +47,19 @@ def sgd_step(params: torch.Tensor, grads: torch.Tensor, lr: float, weight_decay:
 
 def cross_entropy(module, x, y) -> torch.Tensor:
     return F.cross_entropy(module(x), y)
+
+
+def autocast(loss_fn: Callable, task: ClientTask) -> Callable:
+    """``loss_fn`` with its forward and loss under autocast to ``task.autocast`` (bf16);
+    the backward that follows runs outside, as autocast asks. Unchanged without one."""
+    if task.autocast is None:
+        return loss_fn
+    device_type = torch.device(task.device).type
+
+    def reduced(module, x, y):
+        with torch.autocast(device_type, dtype=task.autocast):
+            return loss_fn(module, x, y).float()
+    return reduced
 
 
 def loss_gradient(task: ClientTask, x, y, loss_fn) -> torch.Tensor:
@@ -67,7 +80,7 @@ def train(task: ClientTask, ctx: RoundContext, correction: Correction | None = N
     the device and read once, so a GPU never synchronises inside the loop.
     """
     flat, module = task.model, task.model.module
-    loss_fn = loss_fn or task.loss_fn or cross_entropy
+    loss_fn = autocast(loss_fn or task.loss_fn or cross_entropy, task)
     gradient_fn = gradient_fn or loss_gradient
     module.train()
     total = torch.zeros((), device=flat.params.device)
@@ -82,7 +95,7 @@ def train(task: ClientTask, ctx: RoundContext, correction: Correction | None = N
                  ctx.clip_norm)
         total += loss.detach()
         steps += 1
-    return float(total) / max(steps, 1), steps
+    return float(total) / max(steps, 1), steps  # host sync: once per client, its loss
 
 
 def local_update(task: ClientTask, x: torch.Tensor, ctx: RoundContext,

@@ -108,7 +108,7 @@ class Moon(FedAvg):
         glob, prev = self._frozen_models(task.model)
         x = payload["x"]
         glob.load(x)
-        has_prev = bool(client_state["has_prev"].item())
+        has_prev = bool(client_state["has_prev"].item())  # host sync: once per client
         if has_prev:
             prev.load(client_state["prev_model"])
         p = self.params

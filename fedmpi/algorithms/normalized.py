@@ -19,6 +19,7 @@ import torch
 def normalized_update(update_sum: torch.Tensor, norms) -> torch.Tensor:
     """D from s = sum_p Delta_p and the clients' ||Delta_p||; D = 0 if s = 0."""
     length = float(np.mean(np.asarray(norms, dtype=np.float64)))
+    # host sync: server, once per round
     s_norm = float(torch.linalg.vector_norm(update_sum, dtype=torch.float64))
     if s_norm == 0.0:
         return torch.zeros_like(update_sum)

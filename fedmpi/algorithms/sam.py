@@ -38,7 +38,7 @@ def perturbed_gradient(task, x, y, loss_fn, rho: float) -> None:
     norm = torch.linalg.vector_norm(flat.grads)
     saved = w.clone()  # restoring by copy keeps w bit-exact (w + e - e need not be w)
     if w.device.type == "cpu":
-        w.add_(flat.grads, alpha=rho / (float(norm) + EPS))
+        w.add_(flat.grads, alpha=rho / (float(norm) + EPS))  # host sync: CPU only, no wait
     else:  # no host sync inside the loop on a GPU
         w.add_(flat.grads * (rho / (norm + EPS)))
     loss_gradient(task, x, y, loss_fn)

@@ -43,7 +43,7 @@ def adam(m: torch.Tensor, v: torch.Tensor, dbar: torch.Tensor, b1: float, b2: fl
 
 def squared_norm(vec: torch.Tensor) -> float:
     """||vec||^2 accumulated in float64 (d can be ~10^7 on the server)."""
-    return float(torch.linalg.vector_norm(vec, dtype=torch.float64)) ** 2
+    return float(torch.linalg.vector_norm(vec, dtype=torch.float64)) ** 2  # host sync: server
 
 
 def extrapolation(mean_sq_norm: float, dbar: torch.Tensor, eps: float) -> float:

@@ -31,7 +31,7 @@ def nt_xent(z1: torch.Tensor, z2: torch.Tensor, temperature: float = 0.07) -> to
     z = F.normalize(torch.cat([z1, z2]), dim=1)
     logits = (z @ z.T) / temperature
     logits = logits.masked_fill(torch.eye(2 * b, dtype=torch.bool, device=z.device), float("-inf"))
-    partner = torch.cat([torch.arange(b, 2 * b), torch.arange(b)]).to(z.device)
+    partner = torch.arange(2 * b, device=z.device).roll(b)  # b..2b-1, 0..b-1; made on the device
     return F.cross_entropy(logits, partner)
 
 

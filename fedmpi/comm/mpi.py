@@ -16,13 +16,39 @@ added latency per round on the benchmark workload.)
 
 from __future__ import annotations
 
+import io
 import pickle
 import socket
 import time
 
 import numpy as np
+import torch
 
 from .base import Comm, Ledger, Stopwatch, as_array
+
+
+class _HostPickler(pickle.Pickler):
+    """Refuses torch tensors: a pickled CUDA tensor is unpickled onto the GPU it came from,
+    which the receiving rank may not have (or must not touch: the server). CPU tensors
+    are refused too, so that code which would send a GPU tensor on a GPU node already
+    fails in the CPU-only tests under mpirun."""
+
+    def __init__(self, file, what: str):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.what = what
+
+    def reducer_override(self, obj):
+        if isinstance(obj, torch.Tensor):
+            raise TypeError(f"comm.{self.what}: got a torch tensor (device {obj.device}, shape "
+                            f"{tuple(obj.shape)}); objects sent between ranks must be host data: "
+                            f"send tensor.detach().cpu().numpy()")
+        return NotImplemented
+
+
+def host_pickle(obj, what: str) -> bytes:
+    buffer = io.BytesIO()
+    _HostPickler(buffer, what).dump(obj)
+    return buffer.getvalue()
 
 
 class MPIComm(Comm):
@@ -65,7 +91,7 @@ class MPIComm(Comm):
         self._count(array.nbytes, root, to_root=False)
 
     def bcast_obj(self, obj, root=0):
-        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self.rank == root else None
+        data = host_pickle(obj, "bcast_obj") if self.rank == root else None
         self._arrive()
         with Stopwatch(self.ledger, "comm_seconds"):
             data = self.comm.bcast(data, root=root)
@@ -125,7 +151,7 @@ class MPIComm(Comm):
         return np.split(rbuf, np.cumsum(rcounts)[:-1])
 
     def gather_obj(self, obj, root=0, count=True):
-        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        data = host_pickle(obj, "gather_obj")
         self._arrive()
         with Stopwatch(self.ledger, "comm_seconds"):
             parts = self.comm.gather(data, root=root)
@@ -136,7 +162,7 @@ class MPIComm(Comm):
     def scatter_obj(self, objs, root=0):
         parts = None
         if self.rank == root:
-            parts = [pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL) for o in objs]
+            parts = [host_pickle(o, "scatter_obj") for o in objs]
         self._arrive()
         with Stopwatch(self.ledger, "comm_seconds"):
             data = self.comm.scatter(parts, root=root)
@@ -157,3 +183,10 @@ class MPIComm(Comm):
 
     def hostnames(self):
         return self.comm.allgather(socket.gethostname())
+
+    def node_peers(self, info):
+        node = self.comm.Split_type(self.MPI.COMM_TYPE_SHARED)
+        try:
+            return sorted(node.allgather((self.rank, info)), key=lambda pair: pair[0])
+        finally:
+            node.Free()

@@ -31,6 +31,7 @@ def _scale_shift(mean, std, channels: int, device: torch.device):
 
 def _key(values):
     """Hashable form of a mean/std (tuple, list or tensor) for the cache."""
+    # host sync: none for the datasets' tuples of floats (a device tensor: one read a channel)
     return None if values is None else tuple(float(v) for v in values)
 
 

@@ -74,7 +74,7 @@ def divisor_of_all(widths: tuple[int, ...]) -> Check:
 def probability(field: str, value: Any) -> float:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < 1:
         raise UsageError(f"{field} must be a number in [0, 1), got {value!r}")
-    return float(value)
+    return float(value)  # host sync: none, config time (a number)
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import os
 import socket
+from contextlib import contextmanager
 
 import torch
 
@@ -142,3 +143,64 @@ def choose_device(requested: str, is_worker: bool, rank: int, peers=None,
         raise UsageError(f"config field system.device: {where}; start at most {count} workers "
                          f"per node, or set system.gpu_share = true to share them")
     return torch.device("cuda", group.index(rank) % count)
+
+
+CUBLAS_WORKSPACE = ":4096:8"   # what cuBLAS needs for reproducible matmuls (CUDA >= 10.2)
+
+
+@contextmanager
+def numerics(device: torch.device, precision: str, deterministic: bool):
+    """The kernel settings a run trains under, restored afterwards (a library user's own
+    settings survive a run).
+
+    On CUDA: TF32 for matmuls and cuDNN convolutions only with ``precision = "tf32"``
+    (PyTorch's own default allows it for convolutions, which would make "fp32" not quite
+    FP32); in deterministic mode ``torch.use_deterministic_algorithms(True)`` (index_add
+    and embedding backward then take their deterministic paths, anything without one
+    raises instead of varying), cuDNN deterministic without benchmarking, and cuBLAS's
+    fixed workspace. Bitwise reproducibility then holds for the same GPU model and
+    software, any number of ranks; CPU and GPU results differ. On the CPU, kernels are
+    already deterministic at a fixed thread count, which deterministic mode fixes.
+    """
+    if device.type != "cuda":
+        yield
+        return
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
+             torch.are_deterministic_algorithms_enabled(),
+             torch.is_deterministic_algorithms_warn_only_enabled(),
+             os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+    tf32 = precision == "tf32"
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+        torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark) = saved[:4]
+        torch.use_deterministic_algorithms(saved[4], warn_only=saved[5])
+        if saved[6] is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+        else:
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = saved[6]
+
+
+def autocast_dtype(device: torch.device, precision: str) -> torch.dtype | None:
+    """bfloat16 when training steps run under autocast (``precision = "bf16"``), else None.
+    On a CPU without native bfloat16 (AVX512-BF16 or AMX) autocast would emulate it, many
+    times slower than FP32: refused."""
+    if precision != "bf16":
+        return None
+    if device.type == "cpu" and not _cpu_has_bf16():
+        raise UsageError("config field system.precision: 'bf16' on a CPU without native "
+                         "bfloat16 (AVX512-BF16 or AMX) would be emulated; use 'fp32'")
+    return torch.bfloat16
+
+
+def _cpu_has_bf16() -> bool:
+    check = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool((check and check()) or (amx and amx()))
