@@ -105,20 +105,29 @@ def plot(sources, strict, group_by, smooth, output, x_axis, title, spectrum):
 @click.option("--interval", default="2", metavar="SECONDS", help="Seconds between polls (default 2).")
 @click.option("--once", is_flag=True, help="Print the current state and exit.")
 @click.option("--wait", is_flag=True, help="Wait for FILE to appear (a job still queued).")
+@click.option("--timeout", metavar="SECONDS",
+              help="Give up with exit code 124 when no new round comes for SECONDS (for scripts).")
 @_one_line_errors
-def watch(file, interval, once, wait):
+def watch(file, interval, once, wait, timeout):
     """Follow a running experiment's results file: a line per round until it ends.
 
-    Exit code: 0 completed (or still running, with --once), 1 failed, 75 interrupted
-    (preempted; `fedmpi run --resume FILE` continues it), 2 bad input.
+    A run whose process died is noticed: at once on the host it ran on, from another
+    host after no new round for 30 times its median round time (at least 30 min).
+
+    \b
+    Exit code:   0 completed (or still running, with --once)
+                 1 failed, or crashed (its process is gone)
+                75 interrupted (preempted; `fedmpi run --resume FILE` continues it)
+                 2 bad input, or a damaged file
+               124 --timeout SECONDS passed without a new round
+               130 Ctrl-C
     """
     from fedmpi.analysis.watch import watch as follow
 
-    seconds = parse_number("--interval", interval)
-    if not seconds > 0:
-        raise UsageError(f"--interval {interval}: seconds must be > 0")
+    seconds = parse_seconds("--interval", interval)
+    limit = None if timeout is None else parse_seconds("--timeout", timeout)
     try:
-        code = follow(file, interval=seconds, once=once, wait=wait, echo=click.echo)
+        code = follow(file, interval=seconds, once=once, wait=wait, echo=click.echo, timeout=limit)
     except KeyboardInterrupt:
         code = 130
     sys.exit(code)
@@ -145,6 +154,13 @@ def parse_number(option: str, text: str) -> float:
         return float(text)
     except ValueError:
         raise UsageError(f"{option} {text!r}: expected a number") from None
+
+
+def parse_seconds(option: str, text: str) -> float:
+    seconds = parse_number(option, text)
+    if not 0 < seconds < math.inf:
+        raise UsageError(f"{option} {text}: seconds must be a finite number > 0")
+    return seconds
 
 
 def parse_rounds(values) -> list[int]:

@@ -33,6 +33,8 @@ def state(writer) -> str:
         return GONE
     except PermissionError:  # exists, another user's
         pass
+    if _zombie(pid):
+        return GONE  # exited, not yet reaped by its parent
     recorded, now = writer.get("start"), _start_time(pid)
     if recorded and now and recorded != now:
         return GONE  # the pid was reused by another process
@@ -44,6 +46,14 @@ def describe(writer) -> str:
     if not isinstance(writer, dict):
         return "an unknown process"
     return f"pid {writer.get('pid', '?')} on {writer.get('host', '?')}"
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _start_time(pid: int) -> str:

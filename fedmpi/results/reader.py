@@ -1,8 +1,16 @@
-"""Read a fedmpi results file: finished, still being written (SWMR), or left by a crash."""
+"""Read a fedmpi results file: finished, still being written (SWMR), or left by a crash.
+
+A damaged file is one line, never a traceback or a hang: a file cut short is refused
+before HDF5 sees it (a SWMR reader would retry its reads for minutes), a file left
+open by a writer that died is read through ``repair.ReadView``, and an HDF5 read error
+becomes a ``UsageError`` naming the file.
+"""
 
 from __future__ import annotations
 
+import functools
 import json
+import time
 from pathlib import Path
 
 import h5py
@@ -10,9 +18,23 @@ import numpy as np
 
 from fedmpi import __version__
 from fedmpi.errors import UsageError
-from fedmpi.results import checkpoint, schema
+from fedmpi.results import checkpoint, liveness, repair, schema
 
 _GROUPS = ("partition", "rounds", "clients", "model")
+_RECHECK = 0.2          # seconds before a short file is called damaged: a writer may be extending it
+_SWMR_WRITING = 0b100   # superblock flag: a SWMR writer has the file open (or died with it open)
+
+
+def _reads(method):
+    """HDF5 read errors (a corrupt or cut file) as a one-line UsageError naming the file;
+    anything else (a bug) passes through."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except (OSError, KeyError) as exc:
+            raise UsageError(f"results file {self.path} cannot be read ({_reason(exc)})") from exc
+    return wrapper
 
 
 class RunFile:
@@ -20,14 +42,15 @@ class RunFile:
 
     def __init__(self, path):
         self.path = Path(path)
-        self._file = _open(self.path)
+        self._file, self._view = _open(self.path)
         try:
-            _check_format(self._file, self.path)
+            self._check()
         except BaseException:
-            self._file.close()
+            self.close()
             raise
 
     @property
+    @_reads
     def attrs(self) -> dict:
         """Root attributes as Python values, JSON-encoded ones (config, hostnames) parsed."""
         raw = self._file.attrs
@@ -36,11 +59,13 @@ class RunFile:
                 for k in raw if k != "json_attrs"}
 
     @property
+    @_reads
     def config(self) -> dict:
         """The resolved experiment config the run used."""
         return json.loads(self._file.attrs["config"])
 
     @property
+    @_reads
     def status(self) -> str:
         """running|completed|failed|interrupted as of opening (reopen to see a change).
 
@@ -52,6 +77,7 @@ class RunFile:
         """Round columns in the writer's order, e.g. ``pd.DataFrame(run.rounds())``."""
         return self._columns("rounds")
 
+    @_reads
     def ranks(self) -> dict[str, np.ndarray]:
         """One row per (round, rank): bytes sent/received, busy/idle/comm seconds."""
         return self._columns("ranks") if "ranks" in self._file else {}
@@ -60,11 +86,13 @@ class RunFile:
         """One row per (round, client) participation."""
         return self._columns("clients")
 
+    @_reads
     def evals(self) -> dict[str, np.ndarray]:
         """/eval: one row per probe evaluation of a representation learner (round,
         linear_acc, finetune_<p>pct_acc, effective_rank, seconds); empty without probes."""
         return self._columns("eval") if "eval" in self._file else {}
 
+    @_reads
     def spectrum(self) -> np.ndarray:
         """/eval/spectrum [evaluations, F]: singular values of the global encoder's feature
         covariance, descending (NaN rows: not measured); shape (0, 0) without any."""
@@ -75,6 +103,7 @@ class RunFile:
             ds.refresh()
         return ds[:len(self.evals().get("round", []))]
 
+    @_reads
     def local_spectra(self) -> dict[str, np.ndarray]:
         """/local_spectra (eval.local_spectra): round, client, spectrum [rows, F]: the
         feature spectrum of each client's local model on probe rounds; {} without."""
@@ -88,10 +117,12 @@ class RunFile:
             out[name] = group[name][()]
         return out
 
+    @_reads
     def partition(self) -> dict[str, np.ndarray]:
         """client_offsets, client_indices, class_counts, client_sizes (and any extras)."""
         return {name: ds[()] for name, ds in self._file["partition"].items()}
 
+    @_reads
     def layout(self) -> list[tuple[str, tuple[int, ...], int]]:
         """(name, shape, offset) per tensor of the flat parameter vector."""
         table = self._file["model/layout"]
@@ -100,6 +131,7 @@ class RunFile:
         offsets = table["offsets"][()]
         return [(str(n), tuple(json.loads(s)), int(o)) for n, s, o in zip(names, shapes, offsets)]
 
+    @_reads
     def model_names(self) -> list[str]:
         """Stored parameter vectors, e.g. ["final"]."""
         return sorted(k for k in self._file["model"] if k != "layout")
@@ -109,7 +141,7 @@ class RunFile:
         if name not in self.model_names():
             available = ", ".join(self.model_names()) or "none yet"
             raise UsageError(f"results file {self.path} has no model {name!r} (available: {available})")
-        return self._file["model"][name][()]
+        return self._read_model(name)
 
     def state_dict(self, name: str = "final") -> dict[str, np.ndarray]:
         """The vector cut and reshaped by the layout, ready for torch.from_numpy/load_state_dict."""
@@ -117,6 +149,7 @@ class RunFile:
         return {n: vec[off:off + int(np.prod(shape, dtype=np.int64))].reshape(shape)
                 for n, shape, off in self.layout()}
 
+    @_reads
     def checkpoint(self):
         """The current checkpoint (``fedmpi.results.checkpoint.Checkpoint``) or None; valid
         while this file is open."""
@@ -124,6 +157,8 @@ class RunFile:
 
     def close(self) -> None:
         self._file.close()
+        if self._view is not None:
+            self._view.close()
 
     def __enter__(self) -> "RunFile":
         return self
@@ -134,6 +169,15 @@ class RunFile:
     def __repr__(self) -> str:
         return f"RunFile({str(self.path)!r}, status={self.status!r})"
 
+    @_reads
+    def _check(self) -> None:
+        _check_format(self._file, self.path)
+
+    @_reads
+    def _read_model(self, name: str) -> np.ndarray:
+        return self._file["model"][name][()]
+
+    @_reads
     def _columns(self, group_name: str) -> dict[str, np.ndarray]:
         """Refresh (SWMR) and cut all columns to the rows every column has.
 
@@ -155,21 +199,60 @@ def open_run(path) -> RunFile:
     return RunFile(path)
 
 
-def _open(path: Path) -> h5py.File:
-    """SWMR first: it is the only way to open a file being written, or left by a crash."""
+def _open(path: Path) -> tuple[h5py.File, repair.ReadView | None]:
+    """The open file, and the ``ReadView`` it reads through if a writer died holding it.
+
+    SWMR only where the superblock says a SWMR writer has the file open, and it is not
+    known to be dead: SWMR is the only way to read a file being written, but it retries
+    a failing read for minutes. A finished file is opened plainly, a file whose writer
+    died through ``ReadView``, so a corrupt one fails at once.
+    """
     if not path.is_file():
         raise UsageError(f"results file {path} does not exist")
     if not h5py.is_hdf5(path):
         raise UsageError(f"results file {path} is not an HDF5 file")
     try:
-        return h5py.File(path, "r", swmr=True)
-    except OSError:
-        pass
+        why = repair.damage(path)
+        if why is not None:
+            time.sleep(_RECHECK)
+            why = repair.damage(path)
+        sb = repair.inspect(path)
+    except OSError as exc:   # gone or unreadable since is_file
+        raise UsageError(f"results file {path} cannot be opened ({_reason(exc)})") from exc
+    if why is not None:
+        raise UsageError(f"results file {path} is damaged ({why}); "
+                         f"fedmpi run --resume {path} says what can be recovered")
+    if sb is not None and sb.flags & _SWMR_WRITING and not _writer_gone(path):
+        try:
+            return h5py.File(path, "r", swmr=True), None
+        except OSError:
+            pass
     try:
-        return h5py.File(path, "r")
+        return h5py.File(path, "r"), None
     except OSError as exc:
-        reason = " ".join(str(exc).split())
-        raise UsageError(f"results file {path} cannot be opened ({reason})") from exc
+        if "already open for write" not in str(exc):
+            raise UsageError(f"results file {path} cannot be opened ({_reason(exc)})") from exc
+    # the flags a writer sets while it has the file open, left behind because it died:
+    # HDF5 refuses the file (outside SWMR) until they are cleared
+    view = None
+    try:
+        view = repair.ReadView(path)
+        return h5py.File(view, "r"), view
+    except OSError as exc:
+        if view is not None:
+            view.close()
+        raise UsageError(f"results file {path} cannot be opened ({_reason(exc)})") from exc
+
+
+def _writer_gone(path: Path) -> bool:
+    """Whether the file's recorded writer is dead (``liveness``; only known on its host)."""
+    try:
+        with repair.ReadView(path) as view, h5py.File(view, "r") as h5file:
+            raw = h5file.attrs.get("writer")
+            writer = json.loads(raw) if raw is not None else None
+    except (OSError, KeyError, ValueError, RuntimeError):   # unreadable now: not known dead
+        return False
+    return liveness.state(writer) == liveness.GONE
 
 
 def _check_format(h5file: h5py.File, path: Path) -> None:
@@ -184,6 +267,12 @@ def _check_format(h5file: h5py.File, path: Path) -> None:
     missing = [g for g in _GROUPS if g not in h5file]
     if missing:
         raise UsageError(f"results file {path} lacks group(s) {', '.join('/' + g for g in missing)}")
+
+
+def _reason(exc: BaseException) -> str:
+    """An HDF5 error on one line (a KeyError's message without its quotes)."""
+    text = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+    return " ".join(str(text).split())
 
 
 def _python(value):
