@@ -7,7 +7,6 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 import torch
 
@@ -95,7 +94,7 @@ def test_force_never_takes_over_a_live_runs_file(tmp_path):
 
 
 def test_two_resumes_at_once_one_wins_the_other_gets_one_line(tmp_path):
-    config = write_config(tmp_path / "c.toml", rounds=300, system={"deterministic": True})
+    config = write_config(tmp_path / "c.toml", rounds=200)
     out = tmp_path / "r.h5"
     first = start_run(config, out)
     wait_rounds(out, 2, first)
@@ -106,11 +105,9 @@ def test_two_resumes_at_once_one_wins_the_other_gets_one_line(tmp_path):
     (ok, _), (refused, err) = results
     assert ok == 0 and refused == 2, results
     assert err.count("\n") == 1 and "being written by a live run" in err
-    fedmpi(["run", "-q", str(config), "-o", str(tmp_path / "ref.h5")], check=True)
-    with RunFile(tmp_path / "ref.h5") as ref, RunFile(out) as run:
-        assert run.status == "completed"
-        assert np.array_equal(ref.rounds()["train_loss"], run.rounds()["train_loss"])
-        assert [r["round"] for r in run.attrs["resumes"]] == [run.attrs["resumes"][0]["round"]]
+    with RunFile(out) as run:   # resumed once, by the winner (bitwise: tests/test_kill_resume.py)
+        assert run.status == "completed" and run.rounds()["round"].tolist() == list(range(1, 201))
+        assert len(run.attrs["resumes"]) == 1
 
 
 def test_force_keeps_the_old_file_when_the_new_run_fails_in_setup(tmp_path):
@@ -217,3 +214,26 @@ def test_read_only_output_directory_is_one_line(tmp_path):
     ro.chmod(0o555)
     proc = fedmpi(["run", "-q", str(config), "-o", str(ro / "x.h5")])
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "cannot write in" in proc.stderr
+
+
+@pytest.mark.parametrize("status", ["interrupted", "completed"])
+def test_resume_of_a_truncated_file_says_what_is_readable(tmp_path, status):
+    """A file cut short (a full disk, a copy that stopped): `--resume` used to answer
+    'already completed' (exit 0) or die in a 'bad object header' traceback."""
+    config = write_config(tmp_path / "c.toml", rounds=4, system={"checkpoint_every": 1})
+    out = tmp_path / "cut.h5"
+    if status == "completed":
+        fedmpi(["run", "-q", str(config), "-o", str(out)], check=True)
+    else:
+        proc = start_run(config, out, "--set", "rounds=100000")
+        wait_rounds(out, 4, proc)
+        stop(proc)
+    data = out.read_bytes()
+    out.write_bytes(data[:len(data) * 3 // 4])
+    cut = out.read_bytes()
+    proc = fedmpi(["run", "-q", "--resume", str(out)], timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(f"fedmpi: results file {out} is damaged (truncated to "
+                                  f"{len(cut):,} of {len(data):,} bytes) and cannot be resumed; "
+                                  f"readable: its config")
+    assert out.read_bytes() == cut   # nothing touched

@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow   # real processes and signals: seconds each
+
 from fedmpi import config as cfgmod
 from fedmpi.comm import LocalComm
 from fedmpi.results import RunFile, repair
@@ -22,8 +24,8 @@ from fedmpi.runtime import EXIT_PREEMPTED, run_experiment
 from conftest import ROOT, mpirun, mpirun_path, needs_mpi
 from helpers import TINY, merged, write_config
 
-# ~15 ms a round on one process: long enough to hit it mid-run, short enough to finish
-LONG = dict(rounds=240, system={"deterministic": True, "checkpoint_every": 7})
+# ~15 ms a round on one process (~40 ms on 3 ranks here): long enough to hit it mid-run
+LONG = dict(rounds=120, system={"deterministic": True, "checkpoint_every": 7})
 SLOW = dict(plugins=["toy_algorithms"], rounds=10, eval={"every": 1, "batch_size": 200},
             system={"deterministic": True, "checkpoint_every": 2})
 TESTS = {"PYTHONPATH": str(ROOT / "tests") + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -122,7 +124,7 @@ def test_sigkill_mid_round_resumes_with_fedmpi_alone(tmp_path, reference, ranks)
     """The writer dies with the file open in SWMR mode: HDF5's consistency flags stay set,
     and before this fix `--resume` died with 'file is already open for write'."""
     proc, out = launch(tmp_path, ranks)
-    wait_until(lambda: rounds_in(out) >= 20, "20 rounds", proc=proc)
+    wait_until(lambda: rounds_in(out) >= 10, "10 rounds", proc=proc)
     victim = proc.pid if ranks == 1 else _rank_pids(proc.pid)[0]   # rank 0 under mpirun
     os.kill(victim, signal.SIGKILL)
     proc.communicate(timeout=60)
@@ -178,7 +180,7 @@ def test_sigkill_during_evaluation(tmp_path, slow_reference, ranks):
 @needs_mpi
 def test_sigkill_of_one_worker_ends_the_job_and_resumes(tmp_path, reference):
     proc, out = launch(tmp_path, 3)
-    wait_until(lambda: rounds_in(out) >= 20, "20 rounds", proc=proc)
+    wait_until(lambda: rounds_in(out) >= 10, "10 rounds", proc=proc)
     start = time.monotonic()
     os.kill(_rank_pids(proc.pid)[2], signal.SIGKILL)
     proc.communicate(timeout=60)
@@ -232,8 +234,10 @@ def test_second_ctrl_c_stops_at_once(tmp_path):
 @pytest.mark.parametrize("ranks", [1, pytest.param(3, marks=needs_mpi)])
 def test_signal_during_start_up_stops_before_the_first_round(tmp_path, reference, ranks):
     proc, out = launch(tmp_path, ranks)
-    time.sleep(1.0)   # still importing torch / building the model
-    assert not out.exists()
+    pids = [proc.pid] if ranks == 1 else _rank_pids(proc.pid, ranks)
+    # `fedmpi run` listens from its first line; torch being mapped means it is past that
+    # and still in start-up (imports, data, model: seconds before the file exists)
+    wait_until(lambda: all(_loaded(pid, "libtorch") for pid in pids), "torch loading", proc=proc)
     proc.send_signal(signal.SIGUSR1)   # mpirun passes USR1 on to every rank
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == EXIT_PREEMPTED, err
@@ -271,7 +275,7 @@ def test_sigterm_to_mpirun_between_short_rounds(tmp_path, reference):
     """Rounds shorter than mpirun's grace usually end in time: then the ranks checkpoint
     (interrupted); under load they may not (running). Both resume to the same bits."""
     proc, out = launch(tmp_path, 3)
-    wait_until(lambda: rounds_in(out) >= 20, "20 rounds", proc=proc)
+    wait_until(lambda: rounds_in(out) >= 10, "10 rounds", proc=proc)
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=60)
     with RunFile(out) as run:
@@ -293,7 +297,7 @@ def test_mpirun_sh_turns_term_and_ctrl_c_into_a_checkpoint(tmp_path, reference, 
                             start_new_session=True,
                             env=dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}"
                                                       f"{os.environ['PATH']}", **TESTS))
-    wait_until(lambda: rounds_in(out) >= 20, "20 rounds", proc=proc)
+    wait_until(lambda: rounds_in(out) >= 10, "10 rounds", proc=proc)
     if how == "term":
         proc.send_signal(signal.SIGTERM)
     else:
@@ -306,11 +310,18 @@ def test_mpirun_sh_turns_term_and_ctrl_c_into_a_checkpoint(tmp_path, reference, 
     assert_same_run(reference, out)
 
 
-def _rank_pids(mpirun_pid: int) -> list[int]:
+def _loaded(pid: int, library: str) -> bool:
+    try:
+        return library in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+def _rank_pids(mpirun_pid: int, n: int = 3) -> list[int]:
     """The ranks' pids in rank order: mpirun's children, each with its rank in its environ."""
     ranks = {}
     deadline = time.time() + 30
-    while time.time() < deadline and len(ranks) < 3:
+    while time.time() < deadline and len(ranks) < n:
         for pid in _descendants(mpirun_pid):
             try:
                 env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
