@@ -53,6 +53,16 @@ def test_binary_config_file_is_one_line(tmp_path):
     assert not out.exists()
 
 
+def test_binary_or_directory_sweep_file_is_one_line(tmp_path):
+    """`fedmpi sweep noise.toml` was a UnicodeDecodeError traceback, a directory click's
+    multi-line usage message."""
+    noise = tmp_path / "noise.toml"
+    noise.write_bytes(bytes([0xF3, 0x28]) + os.urandom(198))
+    assert_usage_error(fedmpi(["sweep", str(noise)]),
+                       f"sweep file {noise} is not a TOML text file", "not UTF-8")
+    assert_usage_error(fedmpi(["sweep", str(tmp_path)]), f"sweep file {tmp_path} is a directory")
+
+
 def test_config_file_with_nul_bytes_or_a_results_file(tmp_path):
     """UTF-8 that holds NUL bytes is binary too (TOML forbids them); so is an HDF5 file."""
     nul = tmp_path / "nul.toml"
