@@ -102,7 +102,9 @@ class TrainConfig:
 @dataclass
 class EvalConfig:
     every: int = 1                     # evaluate every k rounds (and always the last round)
-    batch_size: int = 250              # also the chunk a worker scores; 250 keeps activations in cache
+    batch_size: int = 0                # also the chunk a worker scores; 0 = auto: 250 when the
+                                       # workers run on CPUs (activations stay in cache), 1000 on
+                                       # GPUs (the value used is the file's eval_batch_size)
     update_stats: bool = False         # mean pairwise cosine of client updates and local
                                        # consistency per round (two extra d-vectors summed)
     # Self-supervised runs: probes of the global encoder into /eval (expensive; kNN runs on
@@ -326,8 +328,9 @@ def validate(c: ExperimentConfig) -> None:
                         ("train.local_epochs", c.train.local_epochs),
                         ("train.batch_size", c.train.batch_size), ("train.lr", c.train.lr),
                         ("train.lr_decay", c.train.lr_decay), ("train.global_lr", c.train.global_lr),
-                        ("eval.every", c.eval.every), ("eval.batch_size", c.eval.batch_size)):
+                        ("eval.every", c.eval.every)):
         _positive(name, value)
+    _positive("eval.batch_size", c.eval.batch_size, allow_zero=True)
     for name, value in (("train.weight_decay", c.train.weight_decay),
                         ("train.clip_norm", c.train.clip_norm), ("system.threads", c.system.threads),
                         ("data.crop_padding", c.data.crop_padding),

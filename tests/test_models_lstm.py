@@ -119,3 +119,23 @@ def test_sgd_on_one_role_lowers_the_loss(one_thread):
         final = cross_entropy(model(held_x), held_y).item()
     assert initial == pytest.approx(torch.log(torch.tensor(81.0)).item(), abs=0.05)  # uniform at start
     assert final < initial - 0.8  # learns at least the character frequencies
+
+
+def test_lstm_weights_are_one_chunk_of_the_flat_buffer_in_cudnn_order():
+    """cuDNN reads an LSTM's weights without compacting them (the 'not part of single
+    contiguous chunk of memory' copy on every forward) when they are consecutive views
+    of one storage in its order: per layer weight_ih, weight_hh, bias_ih, bias_hh. The
+    flat buffer lays them out so; flatten_parameters() must not be called, since it would
+    move them out of the flat buffer."""
+    flat = FlatModel(lstm())
+    weights = flat.module.lstm._flat_weights
+    assert [n for n in flat.module.lstm._flat_weights_names] == [
+        f"{kind}_l{layer}" for layer in range(2)
+        for kind in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")]
+    base = flat.params.data_ptr()
+    assert all(w.untyped_storage().data_ptr() == flat.params.untyped_storage().data_ptr()
+               for w in weights)
+    ends = [w.data_ptr() + w.numel() * w.element_size() for w in weights]
+    assert all(w.is_contiguous() for w in weights)
+    assert [w.data_ptr() for w in weights[1:]] == ends[:-1]   # back to back
+    assert weights[0].data_ptr() > base                        # after the embedding

@@ -215,3 +215,21 @@ def test_bf16_training_keeps_fp32_master_weights_and_is_reproducible(tmp_path):
     assert np.array_equal(finals["a"], finals["b"])          # bf16 is deterministic too
     assert not np.array_equal(finals["a"], finals["fp32"])    # and really ran in bf16
     assert np.allclose(finals["a"], finals["fp32"], atol=0.05)
+
+
+def test_eval_batch_is_auto_by_device_unless_configured(tmp_path):
+    from fedmpi import config as cfgmod
+    from fedmpi.comm import LocalComm
+    from fedmpi.results import RunFile
+    from fedmpi.runtime import run_experiment
+    from fedmpi.runtime.experiment import eval_batch_size
+    from helpers import TINY, merged
+
+    assert eval_batch_size(0, ["cpu", "cpu", "cpu"]) == 250
+    assert eval_batch_size(0, ["cpu", "cuda:0", "cuda:1"]) == 1000
+    assert eval_batch_size(64, ["cpu", "cuda:0"]) == 64
+    values = merged(TINY, rounds=1, eval={"batch_size": 0})
+    values["output"] = str(tmp_path / "auto.h5")
+    run_experiment(cfgmod.from_dict(values), LocalComm(), quiet=True)
+    with RunFile(values["output"]) as run:
+        assert run.config["eval"]["batch_size"] == 0 and run.attrs["eval_batch_size"] == 250

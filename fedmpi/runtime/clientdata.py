@@ -87,6 +87,7 @@ class TensorClientData(ClientData):
         aug = torch_generator(self.seed, "augment" + self.purpose, *self.key, device=aug_device)
         for _ in range(epochs):
             idx = self.indices[torch.randperm(self.num_samples, generator=order)]
-            idx = idx.to(self.data.device, non_blocking=True)
+            if self.data.device.type == "cuda":   # asynchronous only from pinned memory
+                idx = idx.pin_memory().to(self.data.device, non_blocking=True)
             for start in range(0, self.num_samples, batch_size):
                 yield idx[start:start + batch_size], aug

@@ -109,6 +109,7 @@ class Experiment:
                                    channels_last=cfg.model.channels_last and dataset.train_x.dim() == 4)
         ranks = comm.gather_obj(self._rank_info(), count=False)
         if comm.is_server:
+            self.eval_batch = eval_batch_size(cfg.eval.batch_size, [r["device"] for r in ranks])
             self.state = self.alg.init_server_state(self.flat.params.detach().cpu().clone())
             self.store = ClientStateStore(self.alg.client_state_sizes(self.d),
                                           memory_bytes=cfg.system.state_memory_mb * 2 ** 20,
@@ -119,7 +120,8 @@ class Experiment:
                 self._create_file(dataset, ranks)
             if not self.quiet:
                 print(rank_table(ranks), flush=True)
-        self.start = comm.bcast_obj(self.start)
+        self.start, self.eval_batch = comm.bcast_obj(
+            (self.start, self.eval_batch) if comm.is_server else None)
 
     def _device_and_precision(self, peers):
         s = self.config.system
@@ -170,7 +172,7 @@ class Experiment:
             "seed": cfg.seed, "torch_version": torch.__version__, "python": sys.version.split()[0],
             "num_params": self.d, "dataset_source": dataset.source,
             "algorithm_paper": self.alg.paper, "command": " ".join(sys.argv),
-            "writer": liveness.identity(),
+            "writer": liveness.identity(), "eval_batch_size": self.eval_batch,
         }
         partition = self.split.file_datasets(dataset.train_y.numpy(), dataset.num_classes)
         self.lock = RunLock.acquire(cfg.output_path())
@@ -198,7 +200,8 @@ class Experiment:
             raise UsageError(f"--resume {path}: this fedmpi computes a different client partition "
                              f"from the file's config (was the code changed?)")
         history.append({"round": self.start, "world_size": self.comm.size,
-                        "git_commit": _git_commit(), "ranks": ranks})
+                        "git_commit": _git_commit(), "ranks": ranks,
+                        "eval_batch_size": self.eval_batch})
         # the last stop's details would be stale once the run goes on
         self.writer = ResultsWriter.resume(path, self.start, resumes=history, error="",
                                            interrupted_round=None, failed_round=None,
@@ -519,7 +522,7 @@ class Experiment:
 
     def _evaluate(self, timers) -> tuple[float, float]:
         t0 = time.perf_counter()
-        comm, bs = self.comm, self.config.eval.batch_size
+        comm, bs = self.comm, self.eval_batch
         self._load_eval_model()
         if not self.alg.supervised:
             return self._evaluate_knn(timers, t0)
@@ -711,6 +714,18 @@ def _split(buf: torch.Tensor, spec, device) -> dict[str, torch.Tensor]:
         out[name] = buf[offset:offset + n]
         offset += n
     return out
+
+
+EVAL_BATCH_CPU, EVAL_BATCH_GPU = 250, 1000
+
+
+def eval_batch_size(configured: int, devices: list[str]) -> int:
+    """eval.batch_size, or when it is 0 (auto) the size for the workers' devices: 250 test
+    samples keep a CPU's activations in cache, a GPU wants larger batches. The same on
+    every rank (it is also the chunk each worker scores), so the server decides."""
+    if configured:
+        return configured
+    return EVAL_BATCH_GPU if any(d.startswith("cuda") for d in devices) else EVAL_BATCH_CPU
 
 
 def rank_table(ranks: list[dict]) -> str:
