@@ -32,3 +32,29 @@ def test_launcher_detection(monkeypatch):
     assert launched_size() is None
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
     assert launched_size() == 4
+
+
+def test_objects_between_ranks_must_be_host_data():
+    """MPIComm pickles objects with a pickler that refuses torch tensors anywhere inside
+    (a CUDA tensor would be unpickled onto a GPU the receiver may not have; CPU tensors are
+    refused too, so that CPU tests under mpirun catch such code). Types that cross ranks
+    define a host form: the kNN partials and covariance sums arrive as CPU tensors."""
+    import pickle
+
+    import pytest
+    import torch
+
+    from fedmpi.comm.mpi import host_pickle
+    from fedmpi.ssl_eval import CovarianceSums, KnnPartial
+
+    with pytest.raises(TypeError, match=r"comm.gather_obj: got a torch tensor \(device cpu, "
+                                        r"shape \(2,\)\).*send tensor.detach\(\).cpu\(\).numpy\(\)"):
+        host_pickle({"bank": [1, (torch.zeros(2),)]}, "gather_obj")
+    partial = KnnPartial(torch.rand(3, 2), torch.arange(6).view(3, 2), torch.ones(3, 2, dtype=torch.int64))
+    sums = CovarianceSums(4, torch.rand(3, dtype=torch.float64), torch.rand(3, 3, dtype=torch.float64))
+    back_partial, back_sums = pickle.loads(host_pickle((partial, sums), "gather_obj"))
+    for a, b in ((partial.sims, back_partial.sims), (partial.index, back_partial.index),
+                 (partial.labels, back_partial.labels), (sums.mean, back_sums.mean),
+                 (sums.scatter, back_sums.scatter)):
+        assert b.device.type == "cpu" and torch.equal(a, b)
+    assert back_sums.n == 4

@@ -300,21 +300,22 @@ def recover_crashed(path) -> str | None:
     the file needed nothing. A file cut short is refused with what is still readable.
     """
     path = Path(path)
+    problem = damaged(path)
+    if problem:
+        raise UsageError(problem)
     sb = repair.inspect(path)
-    if sb is None or not (sb.truncated or sb.open_for_write):
+    if sb is None or not sb.open_for_write:
         return None
-    if sb.open_for_write and not sb.truncated:
-        writer = _recorded_writer(path)
-        if liveness.state(writer) == liveness.ALIVE:
-            from fedmpi.results.lock import busy_message
-            raise UsageError(busy_message(path, writer))
+    writer = _recorded_writer(path)
+    if liveness.state(writer) == liveness.ALIVE:
+        from fedmpi.results.lock import busy_message
+        raise UsageError(busy_message(path, writer))
     temporary = _temporary(path, "recover")
     try:
-        found = repair.assess(temporary, repair.salvage(path, temporary, schema.LIBVER))
-        if sb.truncated or not found.resumable:
-            why = repair.damage(path) or "left inconsistent by a writer that died"
-            raise UsageError(f"results file {path} is damaged ({why}) and cannot be resumed; "
-                             f"{found.summary()}")
+        found = _salvage(path, temporary)
+        if not found.resumable:
+            raise UsageError(f"results file {path} is damaged (left inconsistent by a writer "
+                             f"that died) and cannot be resumed; {found.summary()}")
         _drop(temporary, found.lost)
         os.replace(temporary, path)
     finally:
@@ -331,9 +332,12 @@ def damaged(path) -> str | None:
         return None
     import tempfile
     with tempfile.TemporaryDirectory(dir=path.parent if os.access(path.parent, os.W_OK) else None) as d:
-        copy = Path(d) / "salvage.h5"
-        found = repair.assess(copy, repair.salvage(path, copy, schema.LIBVER))
+        found = _salvage(path, Path(d) / "salvage.h5")
     return f"results file {path} is damaged ({why}) and cannot be resumed; {found.summary()}"
+
+
+def _salvage(path: Path, copy: Path) -> repair.Assessment:
+    return repair.assess(copy, repair.salvage(path, copy, schema.LIBVER))
 
 
 def _temporary(path: Path, kind: str) -> Path:
