@@ -71,7 +71,8 @@ def run(config_file, preset, overrides, output, force, resume_file, quiet):
     """Run an experiment: CONFIG_FILE (TOML) or --preset, single process or under mpirun.
 
     Exit codes: 0 done, 1 diverged or crashed, 2 bad input, 75 checkpointed on
-    SIGUSR1/SIGTERM (preemption): run again with --resume FILE to continue.
+    SIGUSR1/SIGTERM/SIGHUP or a Ctrl-C (preemption, scancel): run again with --resume FILE
+    to continue; 130 stopped at once by a second Ctrl-C (resumes from the last checkpoint).
     """
     from . import signals
 
