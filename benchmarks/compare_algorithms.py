@@ -2,7 +2,7 @@
 
 Fashion-MNIST, 100 clients with Dirichlet(0.3) label skew, 10 clients per round (low
 participation), the two-conv CNN, E=1, B=50, lr 0.05; every algorithm with its
-ALGORITHMS.md defaults (the few that need more than defaults get them below). Each run
+defaults (`fedmpi algorithms`) (the few that need more than defaults get them below). Each run
 is a real `fedmpi run` writing its own results file; the table is read from the files:
 
     final accuracy, best accuracy, EMA(0.9)-smoothed final accuracy (as FedACG reports),

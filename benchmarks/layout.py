@@ -1,4 +1,4 @@
-"""Memory layout and threads for one local SGD step of the `cnn` model (DESIGN.md section 11).
+"""Memory layout and threads for one local SGD step of the `cnn` model.
 
 Times forward + cross-entropy + backward + a manual SGD update on a batch of 50, for
   - layouts: NCHW (default); channels_last (model and input); channels_last input only;

@@ -1,6 +1,6 @@
 """fedmpi against a bare PyTorch loop doing exactly the same SGD steps, on one machine.
 
-The workload of DESIGN.md section 11: Fashion-MNIST, 100 clients with Dirichlet(0.3)
+The reference workload: Fashion-MNIST, 100 clients with Dirichlet(0.3)
 label skew, 10 clients per round, 1 local epoch, batch 50, the two-conv CNN with a
 820-wide hidden layer (0.90M parameters), 20 rounds, FedAvg, gradient clipping at 10.
 Every variant trains the same clients on the same batches in the same order (fedmpi's

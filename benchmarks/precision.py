@@ -20,7 +20,6 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from fedmpi.algorithms.base import ClientTask  # noqa: E402

@@ -51,7 +51,7 @@ def combine(rows: np.ndarray) -> tuple[float, float]:
     return correct / count, loss / count
 
 
-# ---- representation learners: the kNN monitor (FedU^2 code; ALGORITHMS.md 2.3) -----------
+# ---- representation learners: the kNN monitor (FedU^2 code) -----------
 
 KNN_K, KNN_TEMPERATURE = 200, 0.1
 

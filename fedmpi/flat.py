@@ -9,7 +9,7 @@ tensors in place, so backward writes straight into ``grads``; ``zero_grad`` is o
 
 With ``channels_last`` the 4-D (convolution) weights are stored NHWC inside the flat
 buffer, so the module's weights are channels_last views and convolutions run in the
-NHWC kernels (1.3x faster per step on CPU, DESIGN.md section 11; for 1-channel inputs
+NHWC kernels (1.3x faster per step on CPU, benchmarks/layout.py; for 1-channel inputs
 the weights' layout is what selects the kernel). Every vector that leaves the process
 for a file goes through ``canonical`` first: files always hold the standard (NCHW,
 contiguous) order that ``layout`` describes.

@@ -1,4 +1,4 @@
-"""FedMIM (ALGORITHMS.md 2.2): closed form on quadratic clients, the FedCM reduction,
+"""FedMIM: closed form on quadratic clients, the FedCM reduction,
 parameter checks, exact FL bytes and cross-rank bit identity in the real runtime."""
 
 import sys
@@ -21,7 +21,7 @@ CENTERS = {0: [1.0, -2.0, 0.5], 1: [-3.0, 1.0, 2.0], 2: [0.5, 4.0, -1.0]}
 
 
 def fedmim_reference(centers, steps, schedule, alpha, beta, lrs, wd, clip, x0):
-    """ALGORITHMS.md 2.2 in float64: u_j = x^{t-j} - x^{t-j-1}; per step
+    """FedMIM's update in float64: u_j = x^{t-j} - x^{t-j-1}; per step
     w <- w + sum_j alpha_j u_j / K - (1 - A) lr (clip(w + sum_j beta_j u_j / K - c) + wd w),
     clip as local_sgd.sgd_step (factor min(1, clip / (||g|| + 1e-6))); x <- x + mean Delta.
     Returns the global models and each round's local consistency."""
@@ -94,7 +94,7 @@ def test_lookahead_moves_the_gradient_point_and_inertia_the_iterate():
 
 
 def test_reduces_to_fedcm_with_alpha_fedcm_one_minus_alpha_1():
-    """ALGORITHMS.md 6: FedMIM(alpha = (a, 0), beta = 0) == FedCM(alpha = 1 - a) at lr_decay = 1.
+    """A reduction: FedMIM(alpha = (a, 0), beta = 0) == FedCM(alpha = 1 - a) at lr_decay = 1.
 
     Exact when clients have equal n_i and K (FedCM divides by the round's mean K and
     weights by n_i), with wd = 0 (FedMIM scales wd x_k by 1 - A with the gradient, FedCM
@@ -112,7 +112,7 @@ def test_reduces_to_fedcm_with_alpha_fedcm_one_minus_alpha_1():
 
 
 def fedcm_reference(alpha_cm, K, schedule, lr):
-    """FedCM's rule re-derived (ALGORITHMS.md 3), quadratic clients, equal K and n:
+    """FedCM's rule re-derived, quadratic clients, equal K and n:
     m = -Dbar / (K lr);  w <- w - lr (alpha g + (1 - alpha) m);  x <- x + Dbar."""
     x, dbar, out = np.zeros(3), np.zeros(3), []
     for clients in schedule:

@@ -1,4 +1,4 @@
-"""FNR-FL (ALGORITHMS.md 2.5): the two phases against a numpy re-derivation on quadratic
+"""FNR-FL: the two phases against a numpy re-derivation on quadratic
 clients with a probe model, the faithful regulariser's zero gradient, the base plug-in,
 exact per-phase FL bytes, and the real runtime single process vs mpirun -n 3."""
 
@@ -73,7 +73,7 @@ def norms_and_accuracy(w):
 
 
 def reference(rounds, x0, lr, p, lam, E_re, over="unselected", mu=0.0):
-    """ALGORITHMS.md 2.5 in float64 on the probe clients (all five take part each round)."""
+    """FNR-FL's rules in float64 on the probe clients (all five take part each round)."""
     x = np.asarray(x0, dtype=np.float64)
     clients = sorted(CENTERS)
     log = []

@@ -1,6 +1,6 @@
 """FedCM, FedSAM, MoFedSAM, FedMRUR and their pieces (SAM, momentum, normalized
 aggregation, Lorentz regulariser): hand-checked numbers, numpy re-derivations on quadratic
-clients, the reductions of ALGORITHMS.md section 6, exact FL traffic, and bitwise
+clients, the reductions between methods, exact FL traffic, and bitwise
 single-process == mpirun in deterministic mode."""
 
 import math
@@ -28,7 +28,7 @@ from harness import Simulation, quadratic_task
 from helpers import TINY, merged, write_config
 
 ALGS = ["fedcm", "fedsam", "mofedsam", "fedmrur"]
-DOWN = {"fedcm": 2, "fedsam": 1, "mofedsam": 2, "fedmrur": 2}   # ALGORITHMS.md section 5, in d
+DOWN = {"fedcm": 2, "fedsam": 1, "mofedsam": 2, "fedmrur": 2}   # payload per client, in d
 
 
 # ---- numpy re-derivation of the whole family on f_i(w) = 0.5 ||w - c_i||^2 ----------------
@@ -136,7 +136,7 @@ def test_fedmrur_normalized_step_by_hand():
     np.testing.assert_allclose(sim.state["x"].numpy(), [0.5 / math.sqrt(2)] * 2, rtol=1e-6)
 
 
-# ---- reductions (ALGORITHMS.md section 6) ------------------------------------------------
+# ---- reductions ------------------------------------------------
 
 def assert_same_model(a, b):
     np.testing.assert_allclose(a.state["x"].numpy(), b.state["x"].numpy(), rtol=1e-6, atol=1e-7)

@@ -1,6 +1,6 @@
 """Server-optimizer methods (FedAvgM, FedAdam, FedExP, FedACG) and their piece
-``server_opt``: closed forms on quadratic clients, the reductions of ALGORITHMS.md
-section 6, exact FL bytes, mpirun == single process, and the presets."""
+``server_opt``: closed forms on quadratic clients, the reductions
+between methods, exact FL bytes, mpirun == single process, and the presets."""
 
 import math
 import sys
@@ -185,7 +185,7 @@ def test_fedacg_repo_prox_form_is_twice_the_paper_beta():
     assert torch.equal(runs[0], runs[1])
 
 
-# ---- reductions (ALGORITHMS.md section 6) -----------------------------------------------
+# ---- reductions -----------------------------------------------
 
 def run_rounds(name, params, centers, sizes, rounds=3, steps=2, lr=0.1):
     sim = Simulation(build(name, params), tasks_for(centers, sizes, steps=steps), x0=[0.5, -0.5])

@@ -1,5 +1,5 @@
-"""SCAFFOLD, FedDyn, FedNova and MOON: closed forms on quadratic clients, the reductions of
-ALGORITHMS.md section 6, MOON's loss and projection head, exact FL traffic through the
+"""SCAFFOLD, FedDyn, FedNova and MOON: closed forms on quadratic clients, the reductions
+between methods, MOON's loss and projection head, exact FL traffic through the
 runtime, and mpirun -n 3 bitwise equal to one process."""
 
 import math

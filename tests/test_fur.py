@@ -30,7 +30,7 @@ def test_one_sample_closed_form():
 
 @pytest.mark.parametrize("step", ["eq6", "projected"])
 def test_paper_fur_is_active(step):
-    """B = 128, d = 512 random unit vectors (ALGORITHMS.md 2.3 f4): non-zero, finite gradient."""
+    """B = 128, d = 512 random unit vectors: non-zero, finite gradient."""
     z = unit(128, 512, 0).requires_grad_()
     loss = uot_uniformity(z, torch.Generator().manual_seed(1), step=step)
     loss.backward()

@@ -1,6 +1,6 @@
 """The algorithm protocol: what an FL method fills in; the runtime owns the loop.
 
-A round (DESIGN.md section 3) is one or more *phases*; each phase is the same pattern::
+A round (fedmpi.runtime.experiment) is one or more *phases*; each phase is the same pattern::
 
     server:  participants = phase_participants(state, phase, sampled)
              payload      = payload(state, ctx)                 -> Bcast to workers
@@ -171,7 +171,7 @@ class Algorithm:
 
     def server_update(self, state, sums: dict[str, torch.Tensor],
                       gathered: dict[str, np.ndarray], ctx: RoundContext) -> None:
-        """x <- x + eta_g * sum_i n_i Delta_i / sum_i n_i (n_i-weighted, ALGORITHMS.md 3)."""
+        """x <- x + eta_g * sum_i n_i Delta_i / sum_i n_i (n_i-weighted)."""
         # host sync: server, once per round
         state["x"].add_(sums["delta"], alpha=ctx.global_lr / float(sums["weight"]))
 

@@ -2,7 +2,7 @@
 
 Grill et al., "Bootstrap Your Own Latent", NeurIPS 2020, https://arxiv.org/abs/2006.07733;
 federated by Zhuang et al. (FedU, ICCV 2021, https://arxiv.org/abs/2108.06492; FedEMA,
-ICLR 2022, https://arxiv.org/abs/2204.04385); ALGORITHMS.md section 4.
+ICLR 2022, https://arxiv.org/abs/2204.04385).
 
 Online network theta = encoder f, projector g, predictor q; target xi = encoder + projector,
 no gradient. Per step on views x1, x2:  z_v = g(f(x_v)), p_v = q(z_v), t_v = g_xi(f_xi(x_v)),

@@ -1,8 +1,8 @@
 """FedU^2's efficient unified aggregator (EUA): min-norm client weights on the simplex (pure).
 
 Liao et al., "Rethinking the Representation in Federated Unsupervised Learning with
-Non-IID Data", CVPR 2024, https://arxiv.org/abs/2403.16398, section 3.4 (ALGORITHMS.md 2.3 b,
-f5). With u_k = ||theta_g - theta_k||^2 and client update Delta_k = theta_k - theta_g,
+Non-IID Data", CVPR 2024, https://arxiv.org/abs/2403.16398, section 3.4.
+With u_k = ||theta_g - theta_k||^2 and client update Delta_k = theta_k - theta_g,
 
     v_k = grad log u_k = 2 (theta_g - theta_k) / u_k = -2 Delta_k / s_k,
     p* = argmin_{p in simplex} p^T G p,   G_kl = <v_k, v_l> = 4 <Delta_k, Delta_l> / (s_k s_l),

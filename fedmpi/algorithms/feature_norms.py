@@ -1,4 +1,4 @@
-"""Class-average feature norms and FNR-FL's regulariser, as pure pieces (ALGORITHMS.md 2.5).
+"""Class-average feature norms and FNR-FL's regulariser, as pure pieces.
 
 Symbols of the paper: phi(x) the penultimate representation (``module.features``),
 F_i[l] the mean of ||phi(x)||_2 over the public samples of class l under client i's model,

@@ -8,7 +8,7 @@ Dbar = sum_i n_i Delta_i / sum_i n_i:
     m <- b1 m + (1 - b1) Dbar;   v <- b2 v + (1 - b2) Dbar^2;
     x^{t+1} = x^t + eta_g m / (sqrt(v) + tau)            (m^0 = 0, v^0 = v0)
 
-Messages d down, d up; server state m, v (2d). Defaults: b1 0.9, b2 0.99 (ALGORITHMS.md);
+Messages d down, d up; server state m, v (2d). Defaults: b1 0.9, b2 0.99 (Reddi et al.);
 tau 1e-3, v0 = tau^2, eta_g 0.01 as the FedACG repo's ServerAdam (Reddi et al. ask for
 v0 >= tau^2). FL-Simulator uses tau 0.01, v0 0, eta_g 0.1 (FedMIM's FedAdam baseline).
 """

@@ -1,8 +1,7 @@
 """FedBYOL: BYOL clients with a local target, online networks averaged by FedAvg.
 
 Grill et al., "Bootstrap Your Own Latent", NeurIPS 2020, https://arxiv.org/abs/2006.07733;
-federated as in EasyFL applications/fedssl (Zhuang et al., the FedU/FedEMA authors);
-ALGORITHMS.md section 4.
+federated as in EasyFL applications/fedssl (Zhuang et al., the FedU/FedEMA authors).
 
 Client k: online theta (encoder f, projector g, predictor q) <- x^t; target xi_k (f, g)
 kept on the client, xi_k <- x^t_[f, g] at its first participation; E epochs of BYOL

@@ -1,7 +1,7 @@
 """FedCM: Federated Learning with Client-level Momentum.
 
 Xu, Wang, Wang, Zhang, Wang, Huang, https://arxiv.org/abs/2106.10874, in the form of
-FL-Simulator (woodenchild95/FL-Simulator client/fedcm.py, server/FedCM.py), ALGORITHMS.md 3:
+FL-Simulator (woodenchild95/FL-Simulator client/fedcm.py, server/FedCM.py):
 
     client: m = -Dbar^{t-1} / (K eta_l^{t-1});  each step w <- w - eta_l (clip(v) + wd w),
             v = alpha g(w) + (1 - alpha) m;  upload Delta_i = w_K - x^t

@@ -14,7 +14,7 @@ zero at first):
 
 Messages d down, d up; client state grad L_i (d), server state h (d). This is the
 canonical server-h form [code: geehokim/FedACG servers/base.py ServerDyn]; FL-Simulator's
-running sums are equivalent (ALGORITHMS.md 3 FedDyn). The server step is the paper's
+running sums are equivalent. The server step is the paper's
 own, so ``train.global_lr`` is not used.
 """
 

@@ -2,7 +2,7 @@
 
 Zhuang et al., "Divergence-aware Federated Self-Supervised Learning", ICLR 2022,
 https://arxiv.org/abs/2204.04385; rules from EasyFL applications/fedssl client.py (the
-authors' code, SELECTIVE_EMA with auto_scaler); ALGORITHMS.md section 4.
+authors' code, SELECTIVE_EMA with auto_scaler).
 
 Client k with local online model W_k^local (encoder, projector, predictor) and divergence
 delta_k of its last local training (fedmpi.algorithms.byol.encoder_divergence):

@@ -12,7 +12,7 @@ the history exists), A = sum_j alpha_j < 1 and K the client's step count, each l
 (gradient at the beta-lookahead point, taken like a SAM perturbation; weight decay at
 x_k). Server: x^{t+1} = x^t + eta_g (1/S) sum_i Delta_i, the plain mean of the client
 models at eta_g = 1. The server keeps J+1 snapshots and sends the J displacements:
-(1+J)d down, d up ("honest"); the paper counts d down ("paper"). ALGORITHMS.md 2.2.
+(1+J)d down, d up ("honest"); the paper counts d down ("paper").
 """
 
 from __future__ import annotations

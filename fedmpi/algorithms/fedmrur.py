@@ -1,7 +1,7 @@
 """FedMRUR: Federated Learning with Manifold Regularization and Normalized Update Reaggregation.
 
-An, Shen, Hu, Luo, NeurIPS 2023, https://arxiv.org/abs/2311.05924 (Algorithm 1;
-ALGORITHMS.md 2.1). MoFedSAM's client on a regularised loss, a normalized server step:
+An, Shen, Hu, Luo, NeurIPS 2023, https://arxiv.org/abs/2311.05924 (Algorithm 1).
+MoFedSAM's client on a regularised loss, a normalized server step:
 
     client p: m = -D^t / (K eta_l^{t-1});  G = frozen copy of the received x^t
       F_p(w) = CE(w; X, y) + gamma R(w),
@@ -12,7 +12,7 @@ ALGORITHMS.md 2.1). MoFedSAM's client on a regularised loss, a normalized server
     server: D^{t+1} = (1/|S| sum_p ||Delta_p||) * sum_p Delta_p / ||sum_p Delta_p||,
             x^{t+1} = x^t + eta_g D^{t+1}
 
-Resolved ambiguities (ALGORITHMS.md 2.1 f): "+" in the global step (Alg. 1 line 16 has "-"
+Resolved ambiguities: "+" in the global step (Alg. 1 line 16 has "-"
 while Delta_p = w_K - w_0); the momentum is the normalized D^t in gradient units; z = the
 penultimate features (``representation``), z_G computed once per batch without grad and
 shared by both SAM passes; per-sample exp, then the batch mean.

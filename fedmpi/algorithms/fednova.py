@@ -15,8 +15,8 @@ state. [code: NIID-Bench train_net_fednova, in LonelyMoonDesert/FNR-FL train.py]
 
 Momentum accumulates the corrected loss gradient before clipping (v <- rho v + g, step
 with v); weight decay stays outside it as in every fedmpi step, and a_i counts neither
-weight decay nor clipping. ALGORITHMS.md gives a_i for momentum or prox, so rho and mu
-are not accepted together.
+weight decay nor clipping. The paper gives a_i for momentum or prox, not both, so rho
+and mu are not accepted together.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def heavy_ball(rho: float, like: torch.Tensor):
 
 
 def normalizer(tau: int, rho: float = 0.0, eta_mu: float = 0.0) -> float:
-    """a_i of ALGORITHMS.md 3 FedNova for tau local steps."""
+    """FedNova's a_i (Wang et al. 2020, section 4) for tau local steps."""
     if rho:
         return (tau - rho * (1 - rho ** tau) / (1 - rho)) / (1 - rho)
     if eta_mu:

@@ -1,7 +1,7 @@
 """FedSAM: Generalized Federated Learning via Sharpness Aware Minimization.
 
 Qu, Li, Duan, Liu, Tang, Lu, ICML 2022, https://arxiv.org/abs/2206.02618
-[code: FL-Simulator client/fedsam.py, optimizer/ESAM.py], ALGORITHMS.md 3:
+[code: FL-Simulator client/fedsam.py, optimizer/ESAM.py]:
 
     client: each step g1 = grad f(w), e = rho g1 / (||g1|| + 1e-7), g~ = grad f(w + e) on
             the same batch; w <- w - eta_l (clip(g~) + wd w);  upload Delta_i = w_K - x^t

@@ -2,7 +2,7 @@
 
 Chen et al., "A Simple Framework for Contrastive Learning of Visual Representations",
 ICML 2020, https://arxiv.org/abs/2002.05709; federated as in Zhuang et al. (FedU, ICCV
-2021) and Liao et al. (FedU^2, CVPR 2024); ALGORITHMS.md section 4.
+2021) and Liao et al. (FedU^2, CVPR 2024).
 
 Client: E epochs of SGD on NT-Xent(g(f(x1)), g(f(x2)); T) over two augmented views of
 each batch (random resized crop, colour jitter, grayscale, flip), from the global

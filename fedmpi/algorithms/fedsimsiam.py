@@ -1,8 +1,7 @@
 """FedSimSiam: SimSiam clients averaged by FedAvg (a FUSL baseline of FedU^2).
 
 Chen & He, "Exploring Simple Siamese Representation Learning", CVPR 2021,
-https://arxiv.org/abs/2011.10566; federated as in Liao et al. (FedU^2, CVPR 2024);
-ALGORITHMS.md section 4.
+https://arxiv.org/abs/2011.10566; federated as in Liao et al. (FedU^2, CVPR 2024).
 
 Client: E epochs of SGD on  L = -(cos(q(z1), sg z2) + cos(q(z2), sg z1)) / 2,
 z_v = g(f(x_v)) over two augmented views, from the global encoder f, projector g and

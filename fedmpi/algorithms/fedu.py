@@ -2,7 +2,7 @@
 
 Zhuang et al., "Collaborative Unsupervised Visual Representation Learning from
 Decentralized Data", ICCV 2021, https://arxiv.org/abs/2108.06492; rules from EasyFL
-applications/fedssl (the authors' code); ALGORITHMS.md section 4.
+applications/fedssl (the authors' code).
 
 Client k at the start of a local update: online encoder + projector <- global; predictor
 

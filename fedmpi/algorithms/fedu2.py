@@ -2,8 +2,7 @@
 aggregator (EUA) on the server, over a SimCLR, SimSiam or BYOL client.
 
 Liao et al., "Rethinking the Representation in Federated Unsupervised Learning with
-Non-IID Data", CVPR 2024, https://arxiv.org/abs/2403.16398 (code: XeniaLLL/FedU2);
-ALGORITHMS.md section 2.3.
+Non-IID Data", CVPR 2024, https://arxiv.org/abs/2403.16398 (code: XeniaLLL/FedU2).
 
 Client k, from the global model: E epochs of the backbone's loss plus the regulariser,
 
@@ -33,7 +32,7 @@ the one value for which K identical updates move x exactly as FedAvg does, so th
 follows the updates' scale; ``eua_step = "fixed"`` with ``eua_lr`` is the code's rule.
 ``aggregator = "fedavg"`` is the FUR-only ablation. Messages d down, d up (a deployment
 uploads each model; the simulator's own Gram traffic is in mpi_bytes, not fl_bytes).
-Left out (code-only extras, ALGORITHMS.md 2.3 f6): the rotation-prediction head and the
+Left out (code-only extras): the rotation-prediction head and the
 "EvenClient" step equalisation.
 """
 

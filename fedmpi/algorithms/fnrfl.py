@@ -1,8 +1,8 @@
 """FNR-FL: Feature Norm Regularized Federated Learning.
 
 Full title: "... Transforming Skewed Distributions into Global Insights". Hu, Qiu and
-Tang, 2023, https://arxiv.org/abs/2312.06951 (code LonelyMoonDesert/FNR-FL);
-ALGORITHMS.md 2.5. A plug-in over a base method (FedAvg, FedProx, SCAFFOLD, MOON,
+Tang, 2023, https://arxiv.org/abs/2312.06951 (code LonelyMoonDesert/FNR-FL).
+A plug-in over a base method (FedAvg, FedProx, SCAFFOLD, MOON,
 FedNova): ``base`` names it, ``base_params`` are its parameters.
 
 Phase "train" (all sampled S): the base's local update (E_train = train.local_epochs),

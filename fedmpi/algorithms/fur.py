@@ -1,7 +1,7 @@
 """FedU^2's flexible uniform regulariser (FUR) l_u(Z): the paper's UOT and the code's tangent SW.
 
 Liao et al., "Rethinking the Representation in Federated Unsupervised Learning with
-Non-IID Data", CVPR 2024, https://arxiv.org/abs/2403.16398, section 3.3 (ALGORITHMS.md 2.3).
+Non-IID Data", CVPR 2024, https://arxiv.org/abs/2403.16398, section 3.3.
 A client's loss is l_ssl(Z^1, Z^2) + lambda_U (l_u(Z^1) + l_u(Z^2)) on each view's
 representations Z (B x d). Two variants:
 
@@ -17,8 +17,7 @@ the paper) uses D = G; ``step="projected"`` zeroes the entries of G that push a 
 pi below zero (the projected gradient; equal to Eq. 6 in the interior), which converges much
 faster: on B=128, d=512 unit vectors 50 steps leave an objective gap of ~0.06 against ~0.8
 for Eq. 6 (optimum ~82.4). pi* is solved without autograd and l_u is the objective at pi*
-with C differentiable: by the envelope theorem that is the gradient of the minimum
-(ALGORITHMS.md 2.3 f3).
+with C differentiable: by the envelope theorem that is the gradient of the minimum.
 
 Scale (f4): c = 0.5 ||z - s||^2 and a = b = 1 (unit mass per sample) by default. The printed
 convention c = ||z - s||^2 with a = b = 1/B is inert: for unit vectors in high dimension

@@ -2,7 +2,7 @@
 
 Qu, Li, Duan, Liu, Tang, Lu, "Generalized Federated Learning via Sharpness Aware
 Minimization", ICML 2022, https://arxiv.org/abs/2206.02618
-[code: FL-Simulator client/mofedsam.py, server/MoFedSAM.py], ALGORITHMS.md 3:
+[code: FL-Simulator client/mofedsam.py, server/MoFedSAM.py]:
 
     client: m = -Dbar^{t-1} / (K eta_l^{t-1});  each step g~ = SAM gradient (rho, as FedSAM),
             v = alpha g~ + (1 - alpha) m,  w <- w - eta_l (clip(v) + wd w)

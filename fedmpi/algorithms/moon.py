@@ -17,8 +17,7 @@ QinbinLi/MOON's ModelFedCon the classifier reads the features, not the projectio
 Defaults tau = 0.5, mu = 5 are the CIFAR-10 example of the QinbinLi/MOON README (the paper
 uses smaller mu on CIFAR-100 and Tiny-ImageNet). A client's first participation has no
 previous model: ``first_participation = "skip"`` trains on CE alone, which is what the
-authors' code computes while its model pool is empty (only the positive pair: l_con = 0)
-[ALGORITHMS.md 3 MOON (f)].
+authors' code computes while its model pool is empty (only the positive pair: l_con = 0).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ Delta c = c_i+ - c_i, and keeps c_i <- c_i+. Server:
 
 Messages 2d down (x, c) and 2d up (Delta y, Delta c); client state c_i (d), server state
 c (d), both zero at the start. The correction enters the gradient before clipping and K is
-the number of steps actually taken [rec, ALGORITHMS.md 3 SCAFFOLD (f)]; FL-Simulator's
+the number of steps actually taken (the paper's definition); FL-Simulator's
 K = E n_i / B is ``algorithm.steps = "nominal"``. Delta y is averaged with equal weights
 over the S participants as in the paper (fedmpi's FedAvg weights by n_i; the two agree
 when clients have equal sizes).

@@ -1,7 +1,7 @@
 """Server optimizers on flat tensors: the pieces FedAvgM, FedAdam, FedExP and FedACG share.
 
 The server treats the aggregated client update Dbar = sum_i q_i Delta_i (model-space,
-"positive" direction, ALGORITHMS.md section 0) as a pseudo-gradient step and feeds it to
+"positive" direction: x + Delta moves toward the clients) as a pseudo-gradient step and feeds it to
 an optimizer whose state lives in the server state dict. Every function here is pure
 tensor arithmetic on flat CPU tensors (no runtime, no MPI), updates the state it is
 given in place and returns the direction the caller adds to x, so the rules are tested

@@ -4,7 +4,7 @@
   Representations", ICML 2020, https://arxiv.org/abs/2002.05709: NT-Xent over the 2B
   views, z normalised, similarities sim_ij = z_i . z_j / T, self-similarity masked out,
   positive of view i = the other view of the same image; mean over the 2B anchors.
-  (FedU2's nt_xent_loss zeroes sim_ii instead of masking it; ALGORITHMS.md section 4 [rec]
+  (FedU2's nt_xent_loss zeroes sim_ii instead of masking it; fedmpi
   takes the standard masked form.)
 - BYOL, Grill et al., "Bootstrap Your Own Latent", NeurIPS 2020,
   https://arxiv.org/abs/2006.07733: mean_i [2 - 2cos(p1_i, sg t2_i) + 2 - 2cos(p2_i, sg t1_i)];

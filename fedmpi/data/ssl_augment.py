@@ -1,7 +1,7 @@
 """Two-view SimCLR augmentation, batched on the device that holds the data.
 
 The pipeline of SimCLR (Chen et al. 2020, https://arxiv.org/abs/2002.05709) as FedU^2's
-code applies it per image with torchvision (ALGORITHMS.md 2.3 a): RandomResizedCrop(scale
+code applies it per image with torchvision: RandomResizedCrop(scale
 ``crop_scale``, ratio 3/4-4/3) -> RandomHorizontalFlip -> RandomApply(ColorJitter(
 ``jitter``), p=``jitter_p``) -> RandomGrayscale(p=``gray_p``) -> [0, 1] floats, no
 normalisation. Each of the 2B images (B images x 2 views) draws its own parameters:

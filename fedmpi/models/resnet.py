@@ -2,7 +2,7 @@
 (CVPR 2016, https://arxiv.org/abs/1512.03385), with every BatchNorm replaced by GroupNorm
 (Wu & He, "Group Normalization", ECCV 2018) as FL papers do, so no running statistics exist.
 
-Two stems, after the code the seed papers used (see ALGORITHMS.md section 0):
+Two stems, after the code the seed papers used:
 - "cifar":    3x3 stride-1 conv1, no max-pool, PyTorch default init
               [geehokim/FedACG models/resnet.py];
 - "imagenet": 7x7 stride-2 conv1 + 3x3 stride-2 max-pool, torchvision's init

@@ -1,6 +1,6 @@
 """Self-supervised network: a registry backbone as encoder + projector (+ predictor).
 
-SimCLR / BYOL / SimSiam (ALGORITHMS.md 2.3, 4) share one shape: encoder f (the backbone's
+SimCLR / BYOL / SimSiam share one shape: encoder f (the backbone's
 ``features``, the representation kNN and the linear probe read), projector g (z = g(f(x)))
 and, for BYOL and SimSiam, predictor q (p = q(z)). FedU^2 uses 512-2048(BN,ReLU)-512 for
 g and q. fedmpi's models have parameters only (no running statistics to aggregate), so the

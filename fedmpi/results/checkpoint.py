@@ -3,7 +3,7 @@
 What a checkpoint holds is everything a round depends on that is not a function of the
 config: the server's algorithm state (global parameters, momenta, control variates...)
 and every client's persistent state, after ``round`` completed rounds. Random streams
-are keyed by (seed, round, client, purpose) (DESIGN.md section 7), so the round number
+are keyed by (seed, round, client, purpose) (fedmpi.runtime.rng), so the round number
 is the whole RNG state and the sampler position; nothing else needs saving.
 
 Two slots, written alternately, and a commit: a slot is filled in place, flushed, and

@@ -1,4 +1,4 @@
-"""One experiment, run by every rank: setup, then the round of DESIGN.md section 3.
+"""One experiment, run by every rank: setup, then the round below.
 
 The same code runs on every rank (SPMD); ``comm.is_server`` and ``comm.is_worker`` say
 which half of each step a rank does. A single process is both, and its collectives are

@@ -1,6 +1,6 @@
 """Inner products and weighted sums of per-client vectors, computed where the vectors are.
 
-FedU^2's EUA (ALGORITHMS.md 2.3 b) weighs each client's update by a function of every
+FedU^2's EUA weighs each client's update by a function of every
 pair: it needs G_kl = <Delta_k, Delta_l> over the K participants, then sum_k c_k Delta_k.
 Shipping every Delta_k to the server would put K d values on one rank. Instead the d
 coordinates are cut into fixed blocks of ``BLOCK`` values and block b belongs to worker

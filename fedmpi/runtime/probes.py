@@ -1,6 +1,6 @@
 """Probes of a self-supervised run's global encoder into /eval (config ``eval.probes``).
 
-FedU^2's protocols (ALGORITHMS.md 2.3, fedmpi.ssl_eval): the linear probe on frozen
+FedU^2's protocols (Liao et al., CVPR 2024; fedmpi.ssl_eval): the linear probe on frozen
 features, fine-tuning on 1% / 10% stratified labels, and the singular values of the
 feature covariance (FedU^2 Figure 3). The linear probe and each fine-tuning are whole
 sequential trainings, dealt to workers round-robin; the spectrum's test chunks are sharded

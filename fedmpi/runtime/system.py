@@ -19,7 +19,7 @@ def tune_malloc() -> bool:
 
     With glibc's default dynamic thresholds each training step maps and unmaps its
     larger buffers until some large block happens to be freed: ~20% per step measured
-    here (DESIGN.md section 11). Fixed thresholds remove that. No-op off glibc.
+    here (benchmarks/layout.py). Fixed thresholds remove that. No-op off glibc.
     """
     try:
         libc = ctypes.CDLL("libc.so.6")
