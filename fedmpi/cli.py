@@ -13,15 +13,9 @@ import sys
 import click
 
 from .errors import UsageError
+from .signals import launcher_rank as _launcher_rank   # light: no torch
 
 EXIT_USAGE, EXIT_FAILED, EXIT_INTERRUPTED = 2, 1, 130   # 130: killed by SIGINT, by convention
-
-
-def _launcher_rank() -> int:
-    for name in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID"):
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
-    return 0
 
 
 def one_line_errors(command):

@@ -29,18 +29,19 @@ def _handler(signum, frame) -> None:
     if signum == signal.SIGINT:
         if _requested.is_set():
             raise KeyboardInterrupt
-        if _speaks():
+        if launcher_rank() == 0:
             os.write(2, b"\nfedmpi: Ctrl-C: stopping after this round (checkpoint, exit 75); "
                         b"Ctrl-C again stops now\n")
     _requested.set()
 
 
-def _speaks() -> bool:
-    """Rank 0 (or a process without a launcher) prints for the job."""
+def launcher_rank() -> int:
+    """This process's rank as the launcher announced it (0 when started directly): known
+    before MPI starts, so rank 0 alone can speak for the job."""
     for name in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID"):
         if os.environ.get(name, "").isdigit():
-            return os.environ[name] == "0"
-    return True
+            return int(os.environ[name])
+    return 0
 
 
 def install() -> dict | None:

@@ -48,22 +48,25 @@ def describe(writer) -> str:
     return f"pid {writer.get('pid', '?')} on {writer.get('host', '?')}"
 
 
-def _zombie(pid: int) -> bool:
+def _stat(pid: int) -> list[bytes]:
+    """/proc/<pid>/stat's fields after the command name (field 3 on), [] where absent."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+            return f.read().rsplit(b")", 1)[1].split()
     except (OSError, IndexError):
-        return False
+        return []
+
+
+def _zombie(pid: int) -> bool:
+    return _stat(pid)[:1] == [b"Z"]
 
 
 def _start_time(pid: int) -> str:
     """Boot id + start time in clock ticks since boot (Linux); '' where /proc has neither."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read().decode(errors="replace")
-        ticks = stat.rsplit(")", 1)[1].split()[19]   # field 22, after the command name
-    except (OSError, IndexError):
+    fields = _stat(pid)
+    if len(fields) < 20:
         return ""
+    ticks = fields[19].decode()   # field 22: start time in clock ticks after boot
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()

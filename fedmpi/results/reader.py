@@ -22,7 +22,6 @@ from fedmpi.results import checkpoint, liveness, repair, schema
 
 _GROUPS = ("partition", "rounds", "clients", "model")
 _RECHECK = 0.2          # seconds before a short file is called damaged: a writer may be extending it
-_SWMR_WRITING = 0b100   # superblock flag: a SWMR writer has the file open (or died with it open)
 
 
 def _reads(method):
@@ -222,7 +221,7 @@ def _open(path: Path) -> tuple[h5py.File, repair.ReadView | None]:
     if why is not None:
         raise UsageError(f"results file {path} is damaged ({why}); "
                          f"fedmpi run --resume {path} says what can be recovered")
-    if sb is not None and sb.flags & _SWMR_WRITING and not _writer_gone(path):
+    if sb is not None and sb.swmr_writing and not _writer_gone(path):
         try:
             return h5py.File(path, "r", swmr=True), None
         except OSError:
@@ -246,13 +245,7 @@ def _open(path: Path) -> tuple[h5py.File, repair.ReadView | None]:
 
 def _writer_gone(path: Path) -> bool:
     """Whether the file's recorded writer is dead (``liveness``; only known on its host)."""
-    try:
-        with repair.ReadView(path) as view, h5py.File(view, "r") as h5file:
-            raw = h5file.attrs.get("writer")
-            writer = json.loads(raw) if raw is not None else None
-    except (OSError, KeyError, ValueError, RuntimeError):   # unreadable now: not known dead
-        return False
-    return liveness.state(writer) == liveness.GONE
+    return liveness.state(repair.recorded_writer(path)) == liveness.GONE
 
 
 def _check_format(h5file: h5py.File, path: Path) -> None:

@@ -39,6 +39,11 @@ class Superblock:
         return bool(self.flags & 0b101)
 
     @property
+    def swmr_writing(self) -> bool:
+        """A SWMR writer has the file open (or died with it open)."""
+        return bool(self.flags & 0b100)
+
+    @property
     def truncated(self) -> bool:
         return self.size < self.eoa
 
@@ -114,6 +119,21 @@ class ReadView(io.RawIOBase):
     def close(self) -> None:
         self._f.close()
         super().close()
+
+
+def recorded_writer(path):
+    """The root attribute ``writer`` (``fedmpi.results.liveness``) read through a
+    ``ReadView``, so even from a file HDF5 would refuse; None if absent or unreadable."""
+    import json
+
+    import h5py
+
+    try:
+        with ReadView(path) as view, h5py.File(view, "r") as f:
+            raw = f.attrs.get("writer")
+        return json.loads(raw) if raw is not None else None
+    except Exception:   # noqa: BLE001 - unreadable means unknown
+        return None
 
 
 def salvage(path, dest, libver) -> list[str]:

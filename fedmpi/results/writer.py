@@ -306,7 +306,7 @@ def recover_crashed(path) -> str | None:
     sb = repair.inspect(path)
     if sb is None or not sb.open_for_write:
         return None
-    writer = _recorded_writer(path)
+    writer = repair.recorded_writer(path)
     if liveness.state(writer) == liveness.ALIVE:
         from fedmpi.results.lock import busy_message
         raise UsageError(busy_message(path, writer))
@@ -349,15 +349,6 @@ def _temporary(path: Path, kind: str) -> Path:
         if pid.isdigit() and liveness.state({"host": host, "pid": int(pid)}) == liveness.GONE:
             old.unlink(missing_ok=True)
     return path.parent / f".{path.name}.{host}.{os.getpid()}.{kind}"
-
-
-def _recorded_writer(path: Path):
-    try:
-        with repair.ReadView(path) as view, h5py.File(view, "r") as f:
-            raw = f.attrs.get("writer")
-        return json.loads(raw) if raw is not None else None
-    except Exception:   # noqa: BLE001 - unreadable means unknown
-        return None
 
 
 def _drop(path: Path, names: list[str]) -> None:
