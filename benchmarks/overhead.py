@@ -43,6 +43,7 @@ from fedmpi import config as cfgmod
 from fedmpi.data import load_dataset, make_partition, to_float
 from fedmpi.evaluation import chunks_of, evaluate_chunks
 from fedmpi.models import build_model
+from fedmpi.runtime.experiment import eval_batch_size
 from fedmpi.runtime.plan import place, sample_clients
 from fedmpi.runtime.rng import key_seed, torch_generator
 from fedmpi.runtime.system import tune_malloc
@@ -160,8 +161,9 @@ def run_half(values, part_index: int, parts: int) -> dict:
             upload = alg.local_update(task, {"x": x}, None, ctx)
             acc += upload.delta * float(upload.num_samples)
     flat.load(x)
-    chunks = chunks_of(len(data.test_y), c.eval.batch_size, part_index, parts)
-    evaluate_chunks(flat.module, dev, chunks, c.eval.batch_size)
+    batch = eval_batch_size(c.eval.batch_size, ["cpu"])   # what fedmpi's CPU workers use
+    chunks = chunks_of(len(data.test_y), batch, part_index, parts)
+    evaluate_chunks(flat.module, dev, chunks, batch)
     return {"wall": time.perf_counter() - t0}
 
 
