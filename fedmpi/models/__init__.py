@@ -7,8 +7,8 @@ accepts it) a model also has MOON's projection head `projector` and `project(fea
 Models use GroupNorm or no normalisation, so they have parameters only and no buffers to
 aggregate. Initialisation draws from torch's global generator: seed it
 (`torch.manual_seed`) before building. Each model declares the modality of data it takes
-("image": float [B, C, H, W]; "text": int64 ids [B, T]); `check_model_for_data` rejects a
-mismatch at setup.
+("image": float [B, C, H, W]; "text": int64 ids [B, T]; "tabular": float [B, F]);
+`check_model_for_data` rejects a mismatch at setup.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from torch import nn
 from fedmpi.errors import UsageError
 from fedmpi.models.cnn import CNN
 from fedmpi.models.lstm import CharLSTM
+from fedmpi.models.mlp import MLP
 from fedmpi.models.resnet import STEMS, WIDTHS, ResNet18
 from fedmpi.models.vgg import NORMS, VGG11
 
@@ -51,6 +52,13 @@ def positive_int_pair(field: str, value: Any) -> tuple[int, int]:
     if not isinstance(value, (list, tuple)) or len(value) != 2 \
             or not all(_is_int(v) and v > 0 for v in value):
         raise UsageError(f"{field} must be two positive integers like [32, 64], got {value!r}")
+    return tuple(value)
+
+
+def positive_int_list(field: str, value: Any) -> tuple[int, ...]:
+    if not isinstance(value, (list, tuple)) or not all(_is_int(v) and v > 0 for v in value):
+        raise UsageError(f"{field} must be a list of positive integers like [64, 64] (or [] "
+                         f"for none), got {value!r}")
     return tuple(value)
 
 
@@ -89,7 +97,7 @@ class Option:
 @dataclass(frozen=True)
 class ModelSpec:
     """A registered model: its class, documented options, the smallest image it accepts
-    and the modality of data it takes ("image" or "text")."""
+    and the modality of data it takes ("image", "text" or "tabular")."""
 
     cls: type[nn.Module]
     summary: str
@@ -119,6 +127,10 @@ MODELS: dict[str, ModelSpec] = {
         "hidden": Option(256, positive_int, "units of each LSTM layer"),
         "layers": Option(2, positive_int, "stacked LSTM layers"),
     }, modality="text"),
+    "mlp": ModelSpec(MLP, "fully connected network with ReLU for tabular features", {
+        "hidden": Option((64, 64), positive_int_list,
+                         "widths of the hidden layers ([] = logistic regression)"),
+    }, modality="tabular"),
 }
 
 
@@ -146,11 +158,12 @@ def _spec(name: str) -> ModelSpec:
 
 
 def check_model_for_data(name: str, modality: str) -> None:
-    """Setup-time check that model `name` takes the dataset's modality ("image" | "text")."""
+    """Setup-time check that model `name` takes the dataset's modality ("image" | "text" |
+    "tabular")."""
     spec = _spec(name)
     if spec.modality != modality:
         fits = sorted(n for n, s in MODELS.items() if s.modality == modality)
-        raise UsageError(f"model.name {name!r} is a{'n' if spec.modality == 'image' else ''} "
+        raise UsageError(f"model.name {name!r} is a{'n' if spec.modality[0] in 'aeiou' else ''} "
                          f"{spec.modality} model but the dataset is {modality}; allowed: "
                          f"{', '.join(map(repr, fits)) or 'none'}")
 

@@ -1,9 +1,10 @@
 """The worker's copy of the data, and each client's view of it.
 
-The whole training set is held once per worker as uint8 tensors on the device; a client
-is an index set into it. A batch is one index gather, one conversion to float (with the
-crop/flip augmentation batched on the device) and, for convolutional models, NHWC
-layout. No DataLoader, no per-sample Python.
+The whole training set is held once per worker as tensors on the device (uint8 images,
+text ids, float32 tabular features); a client is an index set into it. A batch is one
+index gather, for images one conversion to float (with the crop/flip augmentation
+batched on the device) and, for convolutional models, NHWC layout. No DataLoader, no
+per-sample Python.
 """
 
 from __future__ import annotations
@@ -28,16 +29,20 @@ class DeviceData:
         self.test_x = dataset.test_x.to(device)
         self.test_y = dataset.test_y.to(device)
         self.mean, self.std = dataset.mean, dataset.std
-        self.text = getattr(dataset, "modality", "image") == "text"
+        self.modality = getattr(dataset, "modality", "image")
         self.augment, self.crop_padding, self.flip = augment, crop_padding, flip
         self.channels_last = channels_last
 
     def prepare(self, x_uint8: torch.Tensor, generator: torch.Generator | None,
                 skew: ClientSkew | None = None) -> torch.Tensor:
-        """A batch as the model takes it: token ids for text; for images crop/flip (when
-        augmenting), the client's feature skew, normalisation. ``generator`` None = test."""
-        if self.text:
+        """A batch as the model takes it: token ids for text; tabular features as stored
+        (standardised by the loader; no augmentation, no skew: config validation refuses
+        image transforms for them); for images crop/flip (when augmenting), the client's
+        feature skew, normalisation. ``generator`` None = test."""
+        if self.modality == "text":
             return x_uint8.long()
+        if self.modality == "tabular":
+            return x_uint8
         if generator is not None and self.augment:
             x_uint8 = crop_flip(x_uint8, generator, self.crop_padding, self.flip)
         if generator is not None and skew is not None:

@@ -1,0 +1,42 @@
+"""A multilayer perceptron for tabular features (modality "tabular").
+
+FedAvg's "2NN" and most federated benchmarks on tabular data (Adult, covertype, the UCI
+sets) use such a network: fully connected layers with ReLU and a linear classifier. It
+takes the float32 features [B, F] that the arrays loader standardises; with ``hidden``
+empty it is multinomial logistic regression.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class MLP(nn.Module):
+    """Linear(F, h1) -> ReLU -> ... -> Linear(h_k, num_classes).
+
+    The `build_model` signature is shared with the image models: for tabular data
+    `in_channels` is the number of features F (`Dataset.in_channels`) and `image_size`
+    is 1, which does not change the network.
+    """
+
+    def __init__(self, in_channels: int, num_classes: int, image_size: int,
+                 hidden: tuple[int, ...] = (64, 64)):
+        super().__init__()
+        layers, width = [], in_channels
+        for size in hidden:
+            layers += [nn.Linear(width, size), nn.ReLU()]
+            width = size
+        self.body = nn.Sequential(*layers)  # empty: the features are the inputs
+        self.classifier = nn.Linear(width, num_classes)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """Penultimate representation [B, hidden[-1]] (x itself without hidden layers)."""
+        return self.body(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """MOON's projection of `features` (the head exists with model option proj_dim > 0)."""
+        return self.projector(features)
