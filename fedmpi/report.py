@@ -70,7 +70,8 @@ def _experiment(config: dict) -> list[tuple[str, str]]:
 
 
 def _progress(rounds: dict, config: dict) -> str:
-    done = len(next(iter(rounds.values()), []))
+    """Trained rounds recorded: the initial model's row (round 0) is not one."""
+    done = int(np.count_nonzero(_round_numbers(rounds) >= 1))
     planned = get_key(config, "rounds")
     return f"{done} of {planned} completed" if planned is not None else f"{done} completed"
 
@@ -82,15 +83,18 @@ def _round_numbers(rounds: dict) -> np.ndarray:
 
 
 def _accuracy(rounds: dict) -> list[tuple[str, str]]:
-    """Final = last evaluated round (NaN rows were not evaluated); best and when."""
+    """Final = last evaluated round (NaN rows were not evaluated); best and when; the
+    initial model's (round 0) when it was evaluated."""
     acc = rounds.get("test_acc")
     if acc is None or not np.any(np.isfinite(acc)):
         return []
     evaluated = np.flatnonzero(np.isfinite(acc))
     last, best = evaluated[-1], evaluated[np.argmax(acc[evaluated])]
     ids = _round_numbers(rounds)
+    initial = [i for i in evaluated if ids[i] == 0]
+    start = f", initial {_pct(acc[initial[0]])} (round 0)" if initial else ""
     return [("test acc", f"final {_pct(acc[last])} (round {ids[last]}), "
-                         f"best {_pct(acc[best])} (round {ids[best]})")]
+                         f"best {_pct(acc[best])} (round {ids[best]}){start}")]
 
 
 def _pct(fraction: float) -> str:
@@ -130,7 +134,10 @@ def _mean(rounds: dict, field: str) -> float | None:
 
 
 def _timing(rounds: dict) -> list[tuple[str, str]]:
-    """Mean wall seconds per round and how it splits, each part with its share of wall."""
+    """Mean wall seconds per round and how it splits, each part with its share of wall;
+    over the trained rounds (round 0 only evaluates the initial model)."""
+    trained = _round_numbers(rounds) >= 1
+    rounds = {name: column[trained] for name, column in rounds.items()}
     wall = _mean(rounds, "time_wall")
     parts = [(name, _mean(rounds, f"time_{name}")) for name in _SPLIT]
     parts = [(name, sec) for name, sec in parts if sec is not None]

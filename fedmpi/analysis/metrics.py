@@ -4,15 +4,18 @@ Conventions (docs/analysis.md):
 
 - Accuracy is a fraction in [0, 1]: the file's ``test_acc``. Rounds without evaluation
   hold NaN and are skipped; "the accuracy at round R" is the last evaluated value at or
-  before R.
+  before R. Round 0, where a run has it (``eval.at_start``), is the initial model: a point
+  of the curve like any other, with no FL traffic and no training.
 - ``smooth=0.9`` replaces the accuracy curve by its exponential moving average over the
-  evaluated rounds, ``s_1 = a_1``, ``s_k = 0.9 s_{k-1} + 0.1 a_k``: FedACG reports
-  accuracies smoothed this way. Every accuracy metric takes ``smooth``.
+  evaluated rounds, seeded with the first (round 0's where evaluated),
+  ``s_k = 0.9 s_{k-1} + 0.1 a_k``: FedACG reports accuracies smoothed this way. Every
+  accuracy metric takes ``smooth``.
 - Traffic is FL traffic (what the simulated deployment sends), down + up over all rounds,
   in MB = 10^6 bytes: FNR-FL's convention (its 8920 MB = 10 clients x 10 rounds x 2 x
   44.6 MB of ResNet-18 float32 weights).
-- Wall time is the sum of the rounds' ``time_wall``: training time, without process
-  start-up, data loading and the gaps of a preempted and resumed run.
+- Wall time is the sum of the rounds' ``time_wall`` (round 0's evaluation included):
+  training time, without process start-up, data loading and the gaps of a preempted and
+  resumed run.
 - FNR-FL's efficiency ratios use the final (unsmoothed) accuracy as a fraction:
   kappa = acc * 1e4 / time_s, rho = acc * 1e4 / traffic_MB (0.9976e4 / 6060 = 1.6462).
 
@@ -78,14 +81,16 @@ def best_accuracy(run, smooth: float | None = None) -> float:
 
 
 def rounds_to(run, target: float, smooth: float | None = None) -> int | None:
-    """First round whose (smoothed) accuracy is >= ``target`` (a fraction); None if never."""
+    """First round whose (smoothed) accuracy is >= ``target`` (a fraction); None if never,
+    0 if the initial model (round 0) already reaches it."""
     ids, acc = accuracy_curve(run, smooth)
     hit = np.flatnonzero(acc >= target)
     return int(ids[hit[0]]) if len(hit) else None
 
 
 def last_round(run) -> int:
-    """The last round recorded (0 when none)."""
+    """The last round recorded: the rounds done (0 when none, or only the initial
+    model's round 0)."""
     ids = _rounds(run).get("round")
     return int(ids[-1]) if ids is not None and len(ids) else 0
 
@@ -100,7 +105,7 @@ def total_traffic_mb(run) -> float:
 
 
 def cumulative_traffic_mb(run) -> np.ndarray:
-    """FL MB sent up to and including each round (one value per round row)."""
+    """FL MB sent up to and including each round (one value per round row; 0 at round 0)."""
     rows = _rounds(run)
     n = len(rows.get("round", ()))
     total = np.zeros(n)

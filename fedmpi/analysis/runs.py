@@ -80,8 +80,9 @@ class Run:
 
     @property
     def n_rounds(self) -> int:
-        """Rounds recorded (after dropping rows a resume re-ran)."""
-        return len(self.rounds.get("round", ()))
+        """Trained rounds recorded (after dropping rows a resume re-ran); the initial
+        model's row (round 0) is not one."""
+        return int(np.count_nonzero(np.asarray(self.rounds.get("round", ())) >= 1))
 
     def __repr__(self) -> str:
         return (f"Run({str(self.path)!r}, algorithm={self.get('algorithm.name')!r}, "

@@ -151,16 +151,19 @@ def header(path, status: str, config: dict) -> str:
 
 
 def progress_line(rounds: dict, i: int, config: dict, status: str) -> str:
-    """round, train loss, test acc (if evaluated), s/round, ETA, status."""
+    """round, train loss, test acc (if evaluated), s/round, ETA, status; round 0 (the
+    initial model, only evaluated) has no loss and says nothing of round times."""
     planned = config.get("rounds")
     r = int(rounds["round"][i])
     parts = [f"round {r:>4}/{planned if planned is not None else '?'}"]
-    parts.append(f"train_loss {_get(rounds, 'train_loss', i):.4f}")
+    parts.append(f"train_loss {_get(rounds, 'train_loss', i):.4f}" if r else "initial model")
     acc = _get(rounds, "test_acc", i)
     if math.isfinite(acc):
         parts.append(f"test_acc {acc:.4f}")
-    recent = rounds.get("time_wall", np.array([]))[max(0, i + 1 - _RECENT):i + 1]
-    recent = recent[np.isfinite(recent)]
+    start = max(0, i + 1 - _RECENT)
+    ids = rounds["round"][start:i + 1]
+    recent = rounds.get("time_wall", np.full(len(rounds["round"]), np.nan))[start:i + 1]
+    recent = recent[np.isfinite(recent) & (ids >= 1)]
     if len(recent):
         per_round = float(recent.mean())
         parts.append(f"{per_round:.2f} s/round")

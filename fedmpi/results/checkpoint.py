@@ -78,7 +78,8 @@ def read(h5file: h5py.File) -> Checkpoint | None:
 
 def truncate(h5file: h5py.File, completed_rounds: int) -> None:
     """Cut /rounds, /clients, /ranks, /eval and /local_spectra to the rows of rounds
-    1..completed_rounds.
+    0..completed_rounds: the initial model's round 0 is kept even with no round
+    completed, and a resumed run does not evaluate it again.
 
     Rows are appended in round order, so each group is cut at one index; the shortest
     column bounds it (a crash can land between two columns' appends).

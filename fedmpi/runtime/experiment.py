@@ -13,6 +13,9 @@ A round, numbered as in the code:
 4. server applies the algorithm's update;
 5. on evaluation rounds: broadcast the evaluation parameters, workers score test chunks;
 6. server writes the round and flushes the file.
+
+Before the first round of a fresh run (``eval.at_start``), step 5 alone scores the initial
+model: the row ``round = 0``.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import __version__, algorithms, signals
+from .. import algorithms, signals
 from ..data import load_dataset
 from ..errors import UsageError
 from ..evaluation import (chunks_of, combine, evaluate_chunks, knn_accuracy, knn_worker,
@@ -84,6 +87,7 @@ class Experiment:
         self.lock = None     # server: the results file's lock, held for the whole run
         self.stop = None     # why the server stops the run: _DIVERGED or _PREEMPTED
         self.start = 0       # first round to run (after a checkpoint's completed rounds)
+        self.at_start = False  # evaluate the initial model first (round 0; eval.at_start)
         self.ready = False   # setup done: from here an error may be one rank's alone
         self.local_spectra = {}  # worker: client -> (spectrum of its local model, seconds)
 
@@ -115,13 +119,16 @@ class Experiment:
                                           memory_bytes=cfg.system.state_memory_mb * 2 ** 20,
                                           directory=cfg.system.state_dir)
             if self.resume:
-                self._resume_file(dataset, ranks)
+                evaluated = self._resume_file(dataset, ranks)
             else:
-                self._create_file(dataset, ranks)
+                evaluated = self._create_file(dataset, ranks)
+            # round 0 once per run: not after a checkpoint, nor again when a run stopped
+            # before its first checkpoint already wrote it (its resume keeps the row)
+            self.at_start = cfg.eval.at_start and self.start == 0 and not evaluated
             if not self.quiet:
                 print(rank_table(ranks), flush=True)
-        self.start, self.eval_batch = comm.bcast_obj(
-            (self.start, self.eval_batch) if comm.is_server else None)
+        self.start, self.eval_batch, self.at_start = comm.bcast_obj(
+            (self.start, self.eval_batch, self.at_start) if comm.is_server else None)
 
     def _device_and_precision(self, peers):
         s = self.config.system
@@ -163,7 +170,8 @@ class Experiment:
         return {"rank": self.comm.rank, "host": socket.gethostname(), "pid": os.getpid(),
                 "device": str(self.device), "threads": self.threads}
 
-    def _create_file(self, dataset, ranks) -> None:
+    def _create_file(self, dataset, ranks) -> bool:
+        """A new results file; returns False: its initial model is not evaluated yet."""
         cfg = self.config
         provenance = {
             "git_commit": _git_commit(), "world_size": self.comm.size,
@@ -181,9 +189,11 @@ class Experiment:
             round_fields=ROUND_FIELDS + self._diagnostic_fields(),
             client_fields=self._client_fields(), rank_fields=RANK_FIELDS,
             layout=self.flat.layout_rows(), partition=partition, force=self.force)
+        return False
 
-    def _resume_file(self, dataset, ranks) -> None:
-        """Continue the file's run: state from its checkpoint (or round 0 without one)."""
+    def _resume_file(self, dataset, ranks) -> bool:
+        """Continue the file's run: state from its checkpoint (or round 0 without one).
+        Returns whether the file has the initial model's row (round 0)."""
         path = self.config.output_path()
         self.lock = RunLock.acquire(path)
         recovered = recover_crashed(path)
@@ -195,6 +205,7 @@ class Experiment:
             if ckpt is not None:
                 self._load_checkpoint(ckpt)
             history = list(run.attrs.get("resumes", []))
+            evaluated = bool(np.any(run.rounds()["round"] == 0))
         if not np.array_equal(stored["client_offsets"], self.split.offsets) or \
                 not np.array_equal(stored["client_indices"], self.split.indices):
             raise UsageError(f"--resume {path}: this fedmpi computes a different client partition "
@@ -206,6 +217,7 @@ class Experiment:
         self.writer = ResultsWriter.resume(path, self.start, resumes=history, error="",
                                            interrupted_round=None, failed_round=None,
                                            writer=liveness.identity())
+        return evaluated
 
     def _load_checkpoint(self, ckpt) -> None:
         missing = sorted(set(self.state) - set(ckpt.server))
@@ -235,6 +247,8 @@ class Experiment:
                 s = self.config.system
                 with numerics(self.device, s.precision, s.deterministic):
                     self._stop_if_signalled_in_setup()
+                    if self.at_start:
+                        self._evaluate_start()
                     for t in range(self.start, self.config.rounds):
                         self._round(t)
         except StopRun as stop:
@@ -308,6 +322,22 @@ class Experiment:
         if comm.is_server:
             row = self._round_row(t, wall, timers, stats, rows, fl, acc, test_loss, x_before)
             self._write(t, row, rows, stats)
+
+    def _evaluate_start(self) -> None:
+        """Round 0 (eval.at_start): the initial global model, evaluated as an evaluation
+        round does (no training, no probes), written as the row ``round = 0``. Its ledger
+        take closes start-up: the start-up's collectives count here, not in round 1. A
+        signal during it stops the run after the row, as one during a round does."""
+        comm = self.comm
+        stop = comm.bcast_obj(self.stop if comm.is_server else None)  # signalled in start-up
+        if stop:
+            raise StopRun(stop)
+        wall = time.perf_counter()
+        timers = {"compute": 0.0, "aggregate": 0.0, "eval": 0.0}
+        acc, test_loss = self._evaluate(timers)
+        stats = comm.gather_obj(self._rank_stats(timers), count=False)
+        if comm.is_server:
+            self._write_start(self._start_row(wall, timers, stats, acc, test_loss), stats)
 
     # ---- one phase ----------------------------------------------------------------------
     def _phase(self, t, p, phase, sampled, timers, fl) -> dict | None:
@@ -593,11 +623,38 @@ class Experiment:
             **self.diagnostics,
         }
 
+    def _start_row(self, wall, timers, stats, acc, test_loss) -> dict:
+        """Round 0's row: the test metrics and what the evaluation took. Nothing trained:
+        FL traffic, participants and compute are 0; lr, train_loss, update_norm and the
+        diagnostics are not measured (left out: NaN)."""
+        stats = np.asarray(stats)
+        return {
+            "round": 0, "time_wall": time.perf_counter() - wall,
+            "time_compute": 0.0, "time_compute_min": 0.0,
+            "time_comm": float(stats[0, 4]), "time_idle": float(stats[0, 3]),
+            "time_aggregate": 0.0, "time_eval": timers["eval"],
+            "test_loss": test_loss, "test_acc": acc, "fl_bytes_down": 0, "fl_bytes_up": 0,
+            "mpi_bytes": float(stats[:, 0].sum()), "n_participants": 0,
+        }
+
+    def _write_start(self, row, stats) -> None:
+        """Round 0 into the file (no client rows, no checkpoint: the initial state is the
+        config's); a signal during it stops the run, resumable from round 0."""
+        self.writer.append_round(row)
+        self._append_ranks(0, stats)
+        self.writer.flush()
+        if np.asarray(stats)[:, -1].any():
+            self._interrupt(0, "stopped after evaluating the initial model (round 0)")
+        self._progress(-1, row)
+
+    def _append_ranks(self, round_, stats) -> None:
+        stats = np.asarray(stats)
+        self.writer.append_ranks({"round": np.full(len(stats), round_), "rank": np.arange(len(stats)),
+                                  **{f: stats[:, i] for i, f in enumerate(RANK_FIELDS[2:])}})
+
     def _write(self, t, row, rows, stats) -> None:
         self.writer.append_round(row)
-        stats = np.asarray(stats)
-        self.writer.append_ranks({"round": np.full(len(stats), t + 1), "rank": np.arange(len(stats)),
-                                  **{f: stats[:, i] for i, f in enumerate(RANK_FIELDS[2:])}})
+        self._append_ranks(t + 1, stats)
         for gathered in rows:
             self.writer.append_clients({"round": np.full(len(gathered["client"]), t + 1),
                                         **self._client_columns(gathered)})
@@ -653,10 +710,15 @@ class Experiment:
         return out
 
     def _progress(self, t, row) -> None:
+        """The line of round t + 1; t = -1 is round 0, the initial model."""
         if self.quiet:
             return
         rounds = self.config.rounds
         acc = "" if math.isnan(row["test_acc"]) else f"  test_acc {row['test_acc']:.4f}"
+        if t < 0:
+            print(f"round {0:>4}/{rounds}  initial model{acc}  {row['time_wall']:.2f} s",
+                  flush=True)
+            return
         eta = row["time_wall"] * (rounds - t - 1)
         print(f"round {t + 1:>4}/{rounds}  train_loss {row['train_loss']:.4f}{acc}"
               f"  {row['time_wall']:.2f} s/round  eta {eta:.0f} s", flush=True)
