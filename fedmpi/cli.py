@@ -31,7 +31,20 @@ def one_line_errors(command):
     return wrapper
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Commands(click.Group):
+    """``fedmpi --help`` lists each command with its whole first sentence (click cuts it
+    at the terminal's width with "...")."""
+
+    def format_commands(self, ctx, formatter):
+        rows = [(name, command.get_short_help_str(limit=1000))
+                for name, command in ((n, self.get_command(ctx, n)) for n in self.list_commands(ctx))
+                if command is not None and not command.hidden]
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="fedmpi")
 def main():
     """fedmpi: federated-learning experiments on MPI, results in one HDF5 file."""
@@ -183,11 +196,21 @@ def presets():
         click.echo(name)
 
 
+def _plugin_option(what: str):
+    return click.option("--plugin", "plugins", multiple=True, metavar="MODULE",
+                        help=f"Import MODULE first, as a config's plugins list does, to list the "
+                             f"{what} it registers (repeatable).")
+
+
 @main.command()
-def algorithms():
+@_plugin_option("algorithms")
+@one_line_errors
+def algorithms(plugins):
     """List the algorithms with their parameters and defaults."""
     from .algorithms import REGISTRY, message_sizes, params_table
+    from .config import import_plugins
 
+    import_plugins(list(plugins))
     for name in sorted(REGISTRY):
         cls = REGISTRY[name]
         click.echo(f"{name}  ({cls.paper})")
@@ -204,14 +227,18 @@ def algorithms():
 
 @main.command()
 @click.option("--data-dir", metavar="DIR", help="Also look here (the config field data.data_dir).")
+@_plugin_option("datasets")
 @one_line_errors
-def datasets(data_dir):
+def datasets(data_dir, plugins):
     """List the datasets: found or not, where, and how to get a missing one."""
-    from .data.sources import DATASET_HINTS, available_datasets
+    from .config import import_plugins
+    from .data import DATASETS, available_datasets
 
+    import_plugins(list(plugins))
     elsewhere = dict(available_datasets(None)) if data_dir else {}  # found without --data-dir
     for name, where in available_datasets(data_dir):
-        status, detail = ("found", where) if where else ("not found", DATASET_HINTS[name])
+        hint = DATASETS[name].hint or f"see {DATASETS[name].load.__module__}"
+        status, detail = ("found", where) if where else ("not found", hint)
         if not where and elsewhere.get(name):
             detail = f"not in {data_dir}; without --data-dir: {elsewhere[name]}"
         click.echo(f"{name:<14} {status:<9}  {detail}")
@@ -223,8 +250,10 @@ def datasets(data_dir):
               help="Also draw the client x class heatmap into this PNG file.")
 @one_line_errors
 def partition(config_file, preset, overrides, plot):
-    """Preview a config's client split without training: sizes, classes per client,
-    label-skew scores, feature skew and population; the same split a run would use."""
+    """Preview a config's client split without training.
+
+    Sizes, classes per client, label-skew scores, feature skew and population: the same
+    split a run would use."""
     from .preview import preview
 
     click.echo(preview(_resolve(config_file, preset, overrides), plot=plot))
@@ -241,8 +270,9 @@ def partition(config_file, preset, overrides, plot):
 @click.option("-q", "--quiet", is_flag=True, help="No result line.")
 @one_line_errors
 def evaluate(file, probe_names, overrides, quiet):
-    """Probe the final encoder of a finished self-supervised run in FILE (linear probe,
-    fine-tuning, feature spectrum) and append the result to its /eval group."""
+    """Probe the encoder of a finished self-supervised run in FILE.
+
+    Linear probe, fine-tuning or feature spectrum; the result is appended to its /eval group."""
     from .runtime.probes import evaluate_file
 
     evaluate_file(file, probe_names, overrides, quiet)

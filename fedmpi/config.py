@@ -42,7 +42,8 @@ from .errors import UsageError
 @dataclass
 class DataConfig:
     dataset: str = "mnist5k"           # see `fedmpi datasets`: synthetic | mnist5k | fashion_mnist |
-                                       # mnist | cifar10 | cifar100 | tiny_imagenet | shakespeare
+                                       # mnist | cifar10 | cifar100 | tiny_imagenet | shakespeare |
+                                       # arrays (your own .npz/HDF5 file: data.path) | a plugin's
     data_dir: str | None = None        # where the dataset's files are (some sources find their own)
     augment: bool = False              # random crop with padding + horizontal flip, on the device
     crop_padding: int = 4
@@ -77,7 +78,7 @@ class ClientsConfig:
 
 @dataclass
 class ModelConfig:
-    name: str = "cnn"                  # cnn | resnet18 | vgg11
+    name: str = "cnn"                  # cnn | resnet18 | vgg11 (images), lstm (text), mlp (tabular)
     channels_last: bool = True         # NHWC activations: 1.3x faster convolutions on CPU
     options: dict = field(default_factory=dict)
 
@@ -102,6 +103,9 @@ class TrainConfig:
 @dataclass
 class EvalConfig:
     every: int = 1                     # evaluate every k rounds (and always the last round)
+    at_start: bool = True              # also evaluate the initial model before the first round:
+                                       # /rounds row `round = 0` (test metrics only; no training,
+                                       # no probes); a resumed run never evaluates it again
     batch_size: int = 0                # also the chunk a worker scores; 0 = auto: 250 when the
                                        # workers run on CPUs (activations stay in cache), 1000 on
                                        # GPUs (the value used is the file's eval_batch_size)
@@ -127,7 +131,9 @@ class SystemConfig:
                                        # GPUs) | bf16 (forward and loss under bfloat16 autocast,
                                        # FP32 master weights and updates)
     deterministic: bool = False        # bitwise-identical results for any number of ranks
-    threads: int = 0                   # torch threads per rank; 0 = cores / ranks on this node
+    threads: int = 0                   # torch threads per rank; 0 = auto: a worker takes its
+                                       # share of the node's cores (all of them in a single-
+                                       # process run), the server 1; deterministic runs: 1
     state_memory_mb: int = 4096        # client state kept in memory; past it, spilled to disk
     state_dir: str | None = None       # where spilled client state goes (default: a temp dir)
     checkpoint_every: int = 10         # rounds between checkpoints in the results file; 0 = only
@@ -293,8 +299,9 @@ def from_dict(values: dict) -> ExperimentConfig:
 
 
 def import_plugins(modules: list[str]) -> None:
-    """Import user modules whose ``@register`` adds algorithms (fedmpi never edits core code
-    for a new method)."""
+    """Import user modules whose ``@register`` adds algorithms (``fedmpi.algorithms.register``)
+    or datasets (``fedmpi.data.register``): fedmpi never edits core code for a new method
+    or a new dataset."""
     import importlib
 
     for name in modules:
@@ -417,7 +424,7 @@ def _validate_data_options(c: ExperimentConfig) -> None:
 
     from .data import DATASETS
 
-    parameters = inspect.signature(DATASETS[c.data.dataset]).parameters
+    parameters = inspect.signature(DATASETS[c.data.dataset].load).parameters
     for key, value in c.data.options.items():
         name, default = f"data.{key}", parameters[key].default
         if isinstance(default, int) and not isinstance(default, bool):
@@ -474,19 +481,23 @@ def _validate_probes(c: ExperimentConfig) -> None:
 
 
 def _validate_modality(c: ExperimentConfig) -> None:
-    """Text data (Shakespeare) takes the LSTM and no image transforms; images the rest."""
-    from .data.sources import dataset_modality
+    """The model takes the dataset's modality (text: the LSTM, tabular features: the MLP,
+    images: the rest), and image transforms go with images only. The modality is known
+    without loading (an arrays file's is read from its header), after the options are
+    checked, so a misspelt option is named before the dataset looks at its files."""
+    from .data import check_dataset_options, dataset_modality
     from .models import check_model_for_data
 
-    modality = dataset_modality(c.data.dataset)
+    check_dataset_options(c.data.dataset, c.data.options)
+    modality = dataset_modality(c.data.dataset, c.data.data_dir, c.data.options)
     check_model_for_data(c.model.name, modality)
-    if modality != "text":
+    if modality == "image":
         return
     for name, value in (("data.augment", c.data.augment), ("partition.noise", c.partition.noise),
                         ("partition.brightness", c.partition.brightness),
                         ("partition.saturation", c.partition.saturation)):
         if value:
-            raise _fail(name, f"is an image transform; dataset {c.data.dataset!r} is text")
+            raise _fail(name, f"is an image transform; dataset {c.data.dataset!r} is {modality}")
 
 
 def _validate_device(device: str) -> None:

@@ -4,6 +4,7 @@ workers, bitwise equal to one process and to an unsharded kNN of the final encod
 import sys
 
 import numpy as np
+import pytest
 import torch
 
 from fedmpi import config as cfgmod
@@ -36,6 +37,7 @@ def final_encoder(run: RunFile, config) -> torch.nn.Module:
     return module.encoder
 
 
+@pytest.mark.slow
 @needs_mpi
 def test_mpirun_is_bitwise_single_process_and_knn_is_the_unsharded_one(tmp_path):
     config = write_config(tmp_path / "ssl.toml", SSL)
@@ -43,10 +45,10 @@ def test_mpirun_is_bitwise_single_process_and_knn_is_the_unsharded_one(tmp_path)
     mpirun(3, [sys.executable, "-m", "fedmpi", "run", "-q", str(config), "-o", str(tmp_path / "n3.h5")])
     with RunFile(tmp_path / "single.h5") as a, RunFile(tmp_path / "n3.h5") as b:
         assert np.array_equal(a.model(), b.model())
-        assert np.array_equal(a.rounds()["test_acc"], b.rounds()["test_acc"])
-        assert np.array_equal(a.rounds()["train_loss"], b.rounds()["train_loss"])
+        assert np.array_equal(a.rounds()["test_acc"], b.rounds()["test_acc"])   # round 0's kNN too
+        assert np.array_equal(a.rounds()["train_loss"], b.rounds()["train_loss"], equal_nan=True)
         d = len(b.model())
-        assert b.rounds()["fl_bytes_down"].tolist() == [3 * d * 4] * 2  # d down, d up
+        assert b.rounds()["fl_bytes_down"].tolist() == [0] + [3 * d * 4] * 2  # round 0: none
         c = cfgmod.from_dict(b.config)
         encoder = final_encoder(b, c)
         ds = load_dataset("synthetic", seed=3, num_train=9000, num_test=300, size=16)
@@ -58,11 +60,13 @@ def test_mpirun_is_bitwise_single_process_and_knn_is_the_unsharded_one(tmp_path)
         assert np.isnan(b.rounds()["test_loss"]).all()  # no classifier, no test loss
 
 
+@pytest.mark.slow
 def test_simclr_clients_learn_on_real_digits(tmp_path):
     """NT-Xent starts at chance, log(2B - 1), and falls on MNIST-5k within a few rounds."""
     values = dict(SSL, data={"dataset": "mnist5k"}, rounds=4, model={"name": "cnn", "hidden": 128},
                   algorithm={"name": "fedsimclr", "proj_dim": 64, "proj_hidden": 128},
-                  clients={"num": 4, "per_round": 4}, system={"deterministic": False})
+                  clients={"num": 4, "per_round": 4}, system={"deterministic": False},
+                  eval={"at_start": False})   # losses of rounds 1-4 only
     config = write_config(tmp_path / "digits.toml", values)
     fedmpi(["run", "-q", str(config), "-o", str(tmp_path / "d.h5")], check=True)
     with RunFile(tmp_path / "d.h5") as run:

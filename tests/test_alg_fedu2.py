@@ -64,6 +64,7 @@ def test_weighted_sum_single_process_is_the_closed_form():
     np.testing.assert_allclose(total.numpy(), coef @ a, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 @needs_mpi
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_gram_over_mpi_is_bitwise_single_process_and_never_gathers_all_vectors(n):
@@ -164,6 +165,7 @@ def test_without_fur_and_eua_it_is_the_backbone_bitwise(tmp_path, backbone, base
         assert fur.config["algorithm"]["fur"] == "paper"
 
 
+@pytest.mark.slow
 @needs_mpi
 @pytest.mark.parametrize("algorithm", [{}, {"backbone": "simclr", "fur": "code", "eua": "paper"}])
 def test_mpirun_is_bitwise_single_process_and_traffic_is_d_d(tmp_path, algorithm):
@@ -174,14 +176,14 @@ def test_mpirun_is_bitwise_single_process_and_traffic_is_d_d(tmp_path, algorithm
     with single as a, RunFile(out) as b:
         assert np.array_equal(a.model(), b.model())
         for field in ("train_loss", "test_acc", "eua_weight_max", "eua_clients_effective"):
-            assert np.array_equal(a.rounds()[field], b.rounds()[field]), field
-        per_round = [SSL["clients"]["per_round"] * exp.d * 4] * SSL["rounds"]
+            assert np.array_equal(a.rounds()[field], b.rounds()[field], equal_nan=True), field
+        per_round = [0] + [SSL["clients"]["per_round"] * exp.d * 4] * SSL["rounds"]   # 0: round 0
         for run in (a, b):
             assert run.rounds()["fl_bytes_down"].tolist() == per_round
             assert run.rounds()["fl_bytes_up"].tolist() == per_round
         # the simulator's own transfers are counted apart from the deployment's
         assert np.all(b.rounds()["mpi_bytes"] > 0) and np.all(a.rounds()["mpi_bytes"] == 0)
-        assert np.all((a.rounds()["eua_weight_max"] <= 1) & (a.rounds()["eua_weight_min"] >= 0))
+        assert np.all((a.rounds()["eua_weight_max"][1:] <= 1) & (a.rounds()["eua_weight_min"][1:] >= 0))
         assert a.config["algorithm"]["eua"] == algorithm.get("eua", "code")
 
 

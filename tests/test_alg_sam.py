@@ -339,16 +339,17 @@ def test_fl_bytes_are_the_declared_messages(single):
     with RunFile(path) as run:
         assert run.status == "completed"
         rounds = run.rounds()
-        assert rounds["fl_bytes_down"].tolist() == [DOWN[name] * per_round] * 2
-        assert rounds["fl_bytes_up"].tolist() == [per_round] * 2
+        assert rounds["fl_bytes_down"].tolist() == [0] + [DOWN[name] * per_round] * 2   # 0: round 0
+        assert rounds["fl_bytes_up"].tolist() == [0] + [per_round] * 2
         assert np.isfinite(rounds["test_loss"][-1])
         if name == "fedmrur":   # the regulariser is active and its log is the clients' mean
-            assert np.all(rounds["fedmrur_lorentz_dist2"] > 0)
+            assert np.all(rounds["fedmrur_lorentz_dist2"][1:] > 0)
             clients = run.clients()["lorentz_dist2"]
-            np.testing.assert_allclose(rounds["fedmrur_lorentz_dist2"],
+            np.testing.assert_allclose(rounds["fedmrur_lorentz_dist2"][1:],
                                        clients.reshape(2, -1).mean(axis=1), rtol=1e-12)
 
 
+@pytest.mark.slow
 @needs_mpi
 def test_mpirun_is_bitwise_single_process(single, tmp_path):
     name, _, path = single
@@ -357,6 +358,7 @@ def test_mpirun_is_bitwise_single_process(single, tmp_path):
     with RunFile(path) as a, RunFile(tmp_path / "n3.h5") as b:
         assert b.status == "completed" and b.attrs["world_size"] == 3
         assert np.array_equal(a.model(), b.model())
-        assert np.array_equal(a.rounds()["train_loss"], b.rounds()["train_loss"])
+        assert np.array_equal(a.rounds()["train_loss"], b.rounds()["train_loss"], equal_nan=True)
         if name == "fedmrur":
-            assert np.array_equal(a.rounds()["fedmrur_lorentz_dist2"], b.rounds()["fedmrur_lorentz_dist2"])
+            assert np.array_equal(a.rounds()["fedmrur_lorentz_dist2"], b.rounds()["fedmrur_lorentz_dist2"],
+                                  equal_nan=True)

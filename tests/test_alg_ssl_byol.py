@@ -256,6 +256,7 @@ def test_fedu_with_infinite_mu_is_fedbyol_and_with_zero_mu_is_not(tmp_path):
         assert not np.array_equal(byol.model(), local.model())
 
 
+@pytest.mark.slow
 @needs_mpi
 @pytest.mark.parametrize("name", ["fedsimsiam", "fedbyol", "fedu", "fedema"])
 def test_mpirun_is_bitwise_single_process_and_traffic_is_d_d(tmp_path, name):
@@ -265,13 +266,13 @@ def test_mpirun_is_bitwise_single_process_and_traffic_is_d_d(tmp_path, name):
     mpirun(3, [sys.executable, "-m", "fedmpi", "run", "-q", str(config), "-o", str(out)])
     with single as a, RunFile(out) as b:
         assert np.array_equal(a.model(), b.model())
-        assert np.array_equal(a.rounds()["train_loss"], b.rounds()["train_loss"])
-        assert np.array_equal(a.rounds()["test_acc"], b.rounds()["test_acc"])
-        per_round = [SSL["clients"]["per_round"] * exp.d * 4] * SSL["rounds"]
+        assert np.array_equal(a.rounds()["train_loss"], b.rounds()["train_loss"], equal_nan=True)
+        assert np.array_equal(a.rounds()["test_acc"], b.rounds()["test_acc"])   # round 0's kNN too
+        per_round = [0] + [SSL["clients"]["per_round"] * exp.d * 4] * SSL["rounds"]   # 0: round 0
         for run in (a, b):
             assert run.rounds()["fl_bytes_down"].tolist() == per_round
             assert run.rounds()["fl_bytes_up"].tolist() == per_round
-        assert np.all(np.isfinite(a.rounds()["train_loss"]))
+        assert np.all(np.isfinite(a.rounds()["train_loss"][1:]))
 
 
 def test_cli_lists_the_four_algorithms_with_their_parameters():

@@ -63,16 +63,20 @@ def run_cli(args, timeout=120, module=None):
 def write_run(path: Path, acc, config=None, status="completed", bytes_per_round=1_000_000,
               wall=2.0, rounds=None, **status_attrs) -> Path:
     """A results file with a chosen accuracy curve (NaN = not evaluated), written by the
-    real ResultsWriter: 1 MB down + 1 MB up and ``wall`` seconds per round."""
+    real ResultsWriter: 1 MB down + 1 MB up and ``wall`` seconds per round. A round 0 in
+    ``rounds`` is the initial model's row, as the runtime writes it: no traffic, no
+    training loss, no client rows."""
     config = config or {"algorithm": {"name": "fedavg"}, "seed": 0, "rounds": len(acc)}
     ids = rounds or list(range(1, len(acc) + 1))
     with ResultsWriter.create(path, config=config, provenance={"world_size": 1},
                               round_fields=list(ROUND_FIELDS), client_fields=list(CLIENT_FIELDS),
                               layout=[], partition={}) as writer:
         for r, a in zip(ids, acc):
-            writer.append_round({"round": r, "test_acc": a, "train_loss": 1.0 / r, "time_wall": wall,
-                                 "fl_bytes_down": bytes_per_round, "fl_bytes_up": bytes_per_round})
-            writer.append_clients({"round": np.array([r, r]), "client": np.array([0, 1])})
+            sent = bytes_per_round if r else 0
+            writer.append_round({"round": r, "test_acc": a, "train_loss": 1.0 / r if r else NAN,
+                                 "time_wall": wall, "fl_bytes_down": sent, "fl_bytes_up": sent})
+            if r:
+                writer.append_clients({"round": np.array([r, r]), "client": np.array([0, 1])})
             writer.flush()
         writer.set_status(status, **status_attrs)
     return path
@@ -104,13 +108,14 @@ def test_importing_the_analysis_api_needs_neither_torch_nor_mpi():
     assert out.strip() == "[]"
 
 
+@pytest.mark.slow
 def test_run_exposes_config_rows_and_partition(tiny):
     run = fa.load(tiny[0])[0]
     assert run.path == tiny[0] and run.status == "completed" and run.completed
     assert run.get("algorithm.name") == "fedavg" and run.get("train.lr") == 0.05
     assert run.get("seed") == 1 and run.get("no.such.key") is None and run.get("no.such", 7) == 7
     assert run.config["clients"]["per_round"] == 5 and run.attrs["world_size"] == 1
-    assert run.rounds["round"].tolist() == [1, 2, 3, 4] and run.n_rounds == 4
+    assert run.rounds["round"].tolist() == [0, 1, 2, 3, 4] and run.n_rounds == 4   # 0: initial model
     assert len(run.clients["client"]) == 4 * 5
     assert set(run.ranks["rank"].tolist()) == {0}
     assert run.partition["client_sizes"].sum() == 600 and len(run.partition["client_sizes"]) == 12
@@ -119,30 +124,32 @@ def test_run_exposes_config_rows_and_partition(tiny):
 def test_metrics_match_values_computed_from_the_raw_file(tiny):
     for path in tiny:
         run, raw = fa.load(path)[0], raw_rounds(path)
-        acc = raw["test_acc"]
-        assert np.isnan(acc[[0, 2]]).all() and np.isfinite(acc[[1, 3]]).all()  # eval.every = 2
-        assert math.isnan(fa.accuracy_at(run, 1))
-        assert fa.accuracy_at(run, 2) == fa.accuracy_at(run, 3) == acc[1]
-        assert fa.accuracy_at(run, 4) == fa.final_accuracy(run) == acc[3]
+        acc = raw["test_acc"]   # rounds 0 (the initial model), 1, ..., 4
+        assert raw["round"].tolist() == [0, 1, 2, 3, 4]
+        assert np.isnan(acc[[1, 3]]).all() and np.isfinite(acc[[0, 2, 4]]).all()  # eval.every = 2
+        assert fa.accuracy_at(run, 0) == fa.accuracy_at(run, 1) == acc[0]
+        assert fa.accuracy_at(run, 2) == fa.accuracy_at(run, 3) == acc[2]
+        assert fa.accuracy_at(run, 4) == fa.final_accuracy(run) == acc[4]
         assert math.isnan(fa.accuracy_at(run, 5))  # never reached
-        assert fa.best_accuracy(run) == max(acc[1], acc[3])
-        assert fa.rounds_to(run, min(acc[1], acc[3])) == 2
-        assert fa.rounds_to(run, max(acc[1], acc[3])) == (2 if acc[1] >= acc[3] else 4)
-        assert fa.rounds_to(run, 1.01) is None
+        assert fa.best_accuracy(run) == max(acc[[0, 2, 4]])
+        for target in (acc[0], acc[2], acc[4], 1.01):
+            first = next((int(r) for r, a in zip(raw["round"], acc) if a >= target), None)
+            assert fa.rounds_to(run, target) == first, target
+        assert fa.rounds_to(run, acc[0]) == 0
         with h5py.File(path, "r") as f:
             d = int(f.attrs["num_params"])
         assert fa.total_traffic_mb(run) == pytest.approx(4 * 5 * 2 * d * 4 / 1e6)  # rounds x S x 2 x d x 4 B
         wall = float(np.sum(raw["time_wall"]))
         assert fa.wall_time(run) == pytest.approx(wall)
-        assert fa.kappa(run) == pytest.approx(acc[3] * 1e4 / wall)
-        assert fa.rho(run) == pytest.approx(acc[3] * 1e4 / (4 * 5 * 2 * d * 4 / 1e6))
+        assert fa.kappa(run) == pytest.approx(acc[4] * 1e4 / wall)
+        assert fa.rho(run) == pytest.approx(acc[4] * 1e4 / (4 * 5 * 2 * d * 4 / 1e6))
 
 
 def test_rounds_and_clients_tables_are_tidy(tiny):
     runs = fa.load(tiny[0].parent)
     rounds = fa.rounds_table(runs)
     assert list(rounds)[:4] == ["run", "status", "seed", "algorithm.name"]
-    assert {len(c) for c in rounds.values()} == {16}
+    assert {len(c) for c in rounds.values()} == {4 * 5}   # rounds 0-4 of 4 runs
     assert sorted(set(rounds["algorithm.name"])) == list(ALGORITHMS)
     assert rounds["seed"].dtype == np.int64 and set(rounds["status"]) == {"completed"}
     first = rounds["run"] == str(tiny[0])
@@ -154,7 +161,7 @@ def test_rounds_and_clients_tables_are_tidy(tiny):
     assert set(clients["train.lr"]) == {0.05} and "bytes_up" in clients
     pd = pytest.importorskip("pandas", reason="pandas is optional; the tables are plain numpy")
     frame = pd.DataFrame(rounds)
-    assert frame.groupby("algorithm.name").size().tolist() == [8, 8]
+    assert frame.groupby("algorithm.name").size().tolist() == [10, 10]
     assert len(pd.DataFrame(fa.group_table(runs))) == 2 and len(pd.DataFrame(clients)) == 80
 
 
@@ -209,6 +216,27 @@ def test_ema_rounds_to_on_a_known_curve(tmp_path):
     assert fa.final_accuracy(run, smooth=0.9) == pytest.approx(0.9 - 0.4 * 0.9 ** 19)
     assert fa.best_accuracy(run) == 0.9
     assert fa.best_accuracy(run, smooth=0.9) == fa.final_accuracy(run, smooth=0.9)  # still rising
+
+
+def test_round_zero_starts_the_curve_and_is_not_a_completed_round(tmp_path):
+    """Initial model 0.1, then 0.5, (not evaluated), 0.9; EMA(0.5) from round 0:
+    0.1, 0.3, 0.6."""
+    run = fa.load(write_run(tmp_path / "r0.h5", [0.1, 0.5, NAN, 0.9], rounds=[0, 1, 2, 3]))[0]
+    assert run.n_rounds == 3 and fa.summary(run)["rounds_done"] == 3
+    ids, smoothed = fa.accuracy_curve(run, smooth=0.5)
+    assert ids.tolist() == [0, 1, 3] and smoothed.tolist() == pytest.approx([0.1, 0.3, 0.6])
+    assert fa.rounds_to(run, 0.1) == 0 and fa.rounds_to(run, 0.5) == 1
+    assert fa.rounds_to(run, 0.5, smooth=0.5) == 3 and fa.rounds_to(run, 0.7, smooth=0.5) is None
+    assert fa.accuracy_at(run, 0) == 0.1 and fa.accuracy_at(run, 2) == 0.5
+    assert fa.final_accuracy(run) == fa.best_accuracy(run) == 0.9
+    assert fa.cumulative_traffic_mb(run).tolist() == [0, 2, 4, 6] and fa.total_traffic_mb(run) == 6
+    assert fa.cumulative_time(run).tolist() == [2, 4, 6, 8]
+    row = fa.group_table([run], targets=[0.1, 0.5])[0]
+    assert (row["rounds_to_0.1_mean"], row["rounds_to_0.1_reached"]) == (0, 1)
+    assert row["rounds_to_0.5_mean"] == 1
+    only = fa.load(write_run(tmp_path / "start.h5", [0.1], rounds=[0], status="interrupted"))[0]
+    assert only.n_rounds == 0 and fa.summary(only)["rounds_done"] == 0
+    assert math.isnan(fa.accuracy_at(only, 1)) and fa.final_accuracy(only) == 0.1
 
 
 def test_fnrfl_efficiency_numbers(tmp_path):

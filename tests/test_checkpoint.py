@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from fedmpi import config as cfgmod
-from fedmpi.results import ResultsWriter, RunFile
+from fedmpi.results import RunFile
 from fedmpi.results import checkpoint as ckpt
 from fedmpi.runtime import EXIT_PREEMPTED, run_experiment
 from fedmpi.comm import LocalComm
@@ -70,9 +70,26 @@ def test_resume_after_a_crash_is_bitwise_the_uninterrupted_run(tmp_path, name):
     exp = run_experiment(values, LocalComm(), quiet=True, resume=True)
     assert not exp.preempted and exp.start == 4
     with RunFile(ref) as a, RunFile(crashed) as b:
-        assert b.status == "completed" and b.rounds()["round"].tolist() == [1, 2, 3, 4, 5]
+        # round 0 (the initial model) is kept from before the crash, not evaluated again
+        assert b.status == "completed" and b.rounds()["round"].tolist() == [0, 1, 2, 3, 4, 5]
+        assert b.ranks()["round"].tolist() == [0, 1, 2, 3, 4, 5]
         assert_same_run(a, b)
         assert [r["round"] for r in b.attrs["resumes"]] == [4]
+
+
+def test_crash_before_the_first_checkpoint_keeps_the_one_round_zero(tmp_path):
+    """Died with no checkpoint written: the resume starts from round 0, keeps the initial
+    model's row, redoes rounds 1-5, and ends as the run that never stopped."""
+    ref, crashed = reference_and_crash(tmp_path)
+    with h5py.File(crashed, "r+") as f:
+        del f["checkpoint"]
+    values = cfgmod.from_dict({**RunFile(crashed).config, "output": str(crashed)})
+    exp = run_experiment(values, LocalComm(), quiet=True, resume=True)
+    assert exp.start == 0 and not exp.at_start
+    with RunFile(ref) as a, RunFile(crashed) as b:
+        assert b.status == "completed" and b.rounds()["round"].tolist() == [0, 1, 2, 3, 4, 5]
+        assert b.ranks()["round"].tolist() == [0, 1, 2, 3, 4, 5]
+        assert_same_run(a, b)
 
 
 def test_checkpoint_slots_alternate_and_the_file_does_not_grow(tmp_path):
@@ -98,6 +115,7 @@ def test_checkpoint_slots_alternate_and_the_file_does_not_grow(tmp_path):
     assert grown[-1] <= grown[4] * 1.01 and grown[-1] < 2.2 * 4 * 200_000 * 2
 
 
+@pytest.mark.slow
 def test_signal_checkpoints_exits_75_and_resume_completes(tmp_path):
     """A real SIGUSR1 to a real `fedmpi run`: the SLURM preemption path on one process."""
     config = write_config(tmp_path / "c.toml", rounds=40, system={"deterministic": True,
@@ -113,7 +131,7 @@ def test_signal_checkpoints_exits_75_and_resume_completes(tmp_path):
     with RunFile(out) as run:
         stopped = run.attrs["interrupted_round"]
         assert run.status == "interrupted" and run.checkpoint().round == stopped < 40
-        assert len(run.rounds()["round"]) == stopped
+        assert run.rounds()["round"].tolist() == list(range(stopped + 1))   # and round 0
     resumed = fedmpi(["run", "-q", "--resume", str(out)], check=True)
     assert resumed.returncode == 0
     fedmpi(["run", "-q", str(config), "-o", str(tmp_path / "ref.h5")], check=True)
@@ -124,6 +142,7 @@ def test_signal_checkpoints_exits_75_and_resume_completes(tmp_path):
     assert again.returncode == 0 and "already completed" in again.stdout
 
 
+@pytest.mark.slow
 def test_resume_refuses_other_arguments_and_missing_files(tmp_path):
     config = write_config(tmp_path / "c.toml", rounds=1)
     bad = fedmpi(["run", str(config), "--resume", str(tmp_path / "x.h5")])
@@ -135,6 +154,7 @@ def test_resume_refuses_other_arguments_and_missing_files(tmp_path):
     assert exists.returncode == 2 and "--resume" in exists.stderr
 
 
+@pytest.mark.slow
 @needs_mpi
 def test_mpirun_preemption_and_resume_on_another_rank_count(tmp_path):
     """SIGUSR1 to mpirun reaches every rank; the run resumes on 3 ranks after 2, and the

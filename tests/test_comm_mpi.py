@@ -5,6 +5,7 @@ import pytest
 from conftest import ROOT, mpirun, needs_mpi
 
 
+@pytest.mark.slow
 @needs_mpi
 @pytest.mark.parametrize("n", [2, 3])
 def test_mpi_collectives_and_ledger(n):

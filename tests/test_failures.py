@@ -29,9 +29,10 @@ def test_single_process_failure_marks_the_file(tmp_path):
         run_experiment(c, LocalComm(), quiet=True)
     with RunFile(c.output_path()) as run:
         assert run.status == "failed" and "toy crash" in run.attrs["error"]
-        assert run.rounds()["round"].tolist() == [1]
+        assert run.rounds()["round"].tolist() == [0, 1]   # 0: the initial model's evaluation
 
 
+@pytest.mark.slow
 @needs_mpi
 def test_worker_failure_aborts_the_mpi_job_promptly(tmp_path):
     config = write_config(tmp_path / "crash.toml", **CRASH)
@@ -42,7 +43,7 @@ def test_worker_failure_aborts_the_mpi_job_promptly(tmp_path):
     assert proc.returncode != 0 and "toy crash" in proc.stderr
     assert time.monotonic() - start < 60
     with RunFile(tmp_path / "crash.h5") as run:
-        assert run.rounds()["round"].tolist() == [1]  # the completed round survived
+        assert run.rounds()["round"].tolist() == [0, 1]  # the completed rounds survived
 
 
 # ---- one writer per file, and a file is replaced only once a run has started ---------
@@ -75,6 +76,7 @@ def stop(proc):
     return proc.communicate(timeout=60)
 
 
+@pytest.mark.slow
 def test_force_never_takes_over_a_live_runs_file(tmp_path):
     config = write_config(tmp_path / "c.toml", **LONG)
     out = tmp_path / "live.h5"
@@ -93,6 +95,7 @@ def test_force_never_takes_over_a_live_runs_file(tmp_path):
         assert run.attrs["writer"]["pid"] == first.pid
 
 
+@pytest.mark.slow
 def test_two_resumes_at_once_one_wins_the_other_gets_one_line(tmp_path):
     config = write_config(tmp_path / "c.toml", rounds=200)
     out = tmp_path / "r.h5"
@@ -106,10 +109,11 @@ def test_two_resumes_at_once_one_wins_the_other_gets_one_line(tmp_path):
     assert ok == 0 and refused == 2, results
     assert err.count("\n") == 1 and "being written by a live run" in err
     with RunFile(out) as run:   # resumed once, by the winner (bitwise: tests/test_kill_resume.py)
-        assert run.status == "completed" and run.rounds()["round"].tolist() == list(range(1, 201))
+        assert run.status == "completed" and run.rounds()["round"].tolist() == list(range(0, 201))
         assert len(run.attrs["resumes"]) == 1
 
 
+@pytest.mark.slow
 def test_force_keeps_the_old_file_when_the_new_run_fails_in_setup(tmp_path):
     config = write_config(tmp_path / "c.toml", rounds=1)
     out = tmp_path / "keep.h5"
@@ -122,6 +126,7 @@ def test_force_keeps_the_old_file_when_the_new_run_fails_in_setup(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.toml", "keep.h5"]   # no debris
 
 
+@pytest.mark.slow
 @needs_mpi
 def test_force_keeps_the_old_file_when_the_new_run_fails_in_setup_under_mpirun(tmp_path):
     config = write_config(tmp_path / "c.toml", rounds=1)
@@ -135,6 +140,7 @@ def test_force_keeps_the_old_file_when_the_new_run_fails_in_setup_under_mpirun(t
     assert out.read_bytes() == before
 
 
+@pytest.mark.slow
 def test_a_run_whose_file_is_replaced_stops_and_leaves_the_new_file_alone(tmp_path):
     config = write_config(tmp_path / "c.toml", **LONG)
     out, other = tmp_path / "run.h5", tmp_path / "other.h5"
@@ -159,7 +165,7 @@ def test_divergence_names_the_round_as_progress_lines_count_it(tmp_path):
     assert "fedmpi: training diverged at round 1 (NaN/Inf loss or parameters)" in proc.stderr
     with RunFile(out) as run:
         assert run.status == "failed" and run.attrs["failed_round"] == 1
-        assert run.rounds()["round"].tolist() == [1]
+        assert run.rounds()["round"].tolist() == [0, 1]
 
 
 # ---- one line, exit 2, for paths that cannot work --------------------------------------
@@ -174,6 +180,7 @@ def test_cuda_on_a_machine_without_cuda_is_one_line(tmp_path):
     assert not (tmp_path / "x.h5").exists()
 
 
+@pytest.mark.slow
 @needs_mpi
 def test_cuda_on_a_machine_without_cuda_is_one_line_under_mpirun(tmp_path):
     if torch.cuda.is_available():
@@ -216,6 +223,7 @@ def test_read_only_output_directory_is_one_line(tmp_path):
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "cannot write in" in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("status", ["interrupted", "completed"])
 def test_resume_of_a_truncated_file_says_what_is_readable(tmp_path, status):
     """A file cut short (a full disk, a copy that stopped): `--resume` used to answer

@@ -374,6 +374,7 @@ def test_plugin_that_registers_nothing_is_fine_one_that_breaks_is_one_line(tmp_p
             "licence server)") in refused(['plugins=["broken_plugin"]'])
 
 
+@pytest.mark.slow
 def test_names_and_placeholders_on_the_command_line(tmp_path):
     """The two that were tracebacks (AttributeError, ValueError) through the real CLI; the
     run leaves nothing on disk."""

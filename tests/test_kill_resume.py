@@ -79,9 +79,11 @@ def launch(tmp_path, ranks=1, config=None, extra=(), **popen):
 
 
 def rounds_in(path) -> int:
+    """Rounds done: the last row's round (round 0, the initial model, is not one)."""
     try:
         with RunFile(path) as run:
-            return len(run.rounds()["round"])
+            done = run.rounds()["round"]
+            return int(done[-1]) if len(done) else 0
     except Exception:   # not there yet, or being created
         return 0
 
@@ -133,7 +135,7 @@ def test_sigkill_mid_round_resumes_with_fedmpi_alone(tmp_path, reference, ranks)
     st, attrs = status(out)
     assert st == "running"
     with RunFile(out) as run:
-        done, ckpt = len(run.rounds()["round"]), run.checkpoint().round
+        done, ckpt = int(run.rounds()["round"][-1]), run.checkpoint().round
         assert done - ckpt < 7 + 1                      # checkpoint_every bounds the loss
     resume(out, ranks)
     assert_same_run(reference, out)
@@ -243,9 +245,30 @@ def test_signal_during_start_up_stops_before_the_first_round(tmp_path, reference
     assert proc.returncode == EXIT_PREEMPTED, err
     assert "stopped during start-up, at round 0" in err
     st, attrs = status(out)
-    assert st == "interrupted" and attrs["interrupted_round"] == 0 and rounds_in(out) == 0
+    assert st == "interrupted" and attrs["interrupted_round"] == 0
+    with RunFile(out) as run:
+        assert len(run.rounds()["round"]) == 0   # not even round 0: the resume evaluates it
     resume(out, ranks)
     assert_same_run(reference, out)
+
+
+def test_signal_during_the_initial_evaluation_stops_after_round_zero(tmp_path, slow_reference):
+    """The first evaluation (round 0, the initial model) is slow here: a signal during it
+    ends the run after its row; the resume keeps that one row and trains from round 1."""
+    marker = tmp_path / "evaluating"
+    proc, out = launch(tmp_path, config=slow_config(tmp_path, marker, seconds=1.0))
+    wait_until(marker.exists, "the initial evaluation", proc=proc)
+    proc.send_signal(signal.SIGUSR1)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == EXIT_PREEMPTED, err
+    assert "stopped after evaluating the initial model (round 0)" in err
+    st, attrs = status(out)
+    assert st == "interrupted" and attrs["interrupted_round"] == 0
+    with RunFile(out) as run:
+        assert run.rounds()["round"].tolist() == [0] and run.ranks()["round"].tolist() == [0]
+        assert run.checkpoint() is None and len(run.clients()["round"]) == 0
+    resume(out)
+    assert_same_run(slow_reference, out)   # "round" included: one round 0, then 1..10
 
 
 @needs_mpi
@@ -265,7 +288,7 @@ def test_sigterm_to_mpirun_mid_round_leaves_a_resumable_file(tmp_path, slow_refe
     assert proc.returncode != 0 and time.monotonic() - start < 10
     with RunFile(out) as run:
         assert run.status == "running"
-        assert len(run.rounds()["round"]) - run.checkpoint().round <= 2
+        assert int(run.rounds()["round"][-1]) - run.checkpoint().round <= 2
     resume(out, 3)
     assert_same_run(slow_reference, out)
 
@@ -280,7 +303,7 @@ def test_sigterm_to_mpirun_between_short_rounds(tmp_path, reference):
     proc.communicate(timeout=60)
     with RunFile(out) as run:
         assert run.status in ("running", "interrupted")
-        assert len(run.rounds()["round"]) - run.checkpoint().round <= 7
+        assert int(run.rounds()["round"][-1]) - run.checkpoint().round <= 7
     resume(out, 3)
     assert_same_run(reference, out)
 

@@ -1,7 +1,6 @@
 """The local optimizer and the proximal correction, against hand-computed numbers."""
 
 import torch
-from torch import nn
 
 from fedmpi.algorithms.fedprox import proximal
 from fedmpi.algorithms.local_sgd import sgd_step

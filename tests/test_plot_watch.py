@@ -18,13 +18,15 @@ NAN = float("nan")
 
 @pytest.fixture
 def runs_dir(tmp_path):
-    """fedavg and fedacg x 2 seeds; accuracy evaluated on rounds 2, 4, 6."""
+    """fedavg and fedacg x 2 seeds; accuracy evaluated on rounds 0 (the initial model, 0.1),
+    2, 4, 6."""
     for algorithm, base in (("fedavg", 0.5), ("fedacg", 0.6)):
         for seed in (0, 1):
-            acc = [NAN, base, NAN, base + 0.1, NAN, base + 0.2 + 0.02 * seed]
+            acc = [0.1, NAN, base, NAN, base + 0.1, NAN, base + 0.2 + 0.02 * seed]
             config = {"algorithm": {"name": algorithm}, "seed": seed, "rounds": 6,
                       "data": {"dataset": "cifar10"}, "model": {"name": "cnn"}}
-            write_run(tmp_path / "runs" / f"{algorithm}-{seed}.h5", acc, config, wall=0.5 + seed)
+            write_run(tmp_path / "runs" / f"{algorithm}-{seed}.h5", acc, config, wall=0.5 + seed,
+                      rounds=list(range(7)))
     return tmp_path / "runs"
 
 
@@ -50,13 +52,14 @@ def test_plot_lines_labels_and_group_bands(runs_dir):
     labels = [line.get_label() for line in ax.get_lines()]
     assert labels == ["fedacg, seed=0", "fedacg, seed=1", "fedavg, seed=0", "fedavg, seed=1"]
     xs, ys = ax.get_lines()[0].get_data()
-    assert xs.tolist() == [4.0, 8.0, 12.0] and ys.tolist() == pytest.approx([60, 70, 80])  # 2 MB a round
+    # round 0 (the initial model) sends nothing, then 2 MB a round
+    assert xs.tolist() == [0.0, 4.0, 8.0, 12.0] and ys.tolist() == pytest.approx([10, 60, 70, 80])
     ax = Figure().add_subplot()
     fa.plot_accuracy(runs, ax, x="time", group_by=["algorithm.name"])
     assert [line.get_label() for line in ax.get_lines()] == ["fedacg (n=2)", "fedavg (n=2)"]
     xs, ys = ax.get_lines()[1].get_data()
-    assert xs.tolist() == pytest.approx([2.0, 4.0, 6.0])  # mean of 0.5 s and 1.5 s a round, cumulative
-    assert ys.tolist() == pytest.approx([50, 60, 71])
+    assert xs.tolist() == pytest.approx([1.0, 3.0, 5.0, 7.0])  # mean of 0.5 s and 1.5 s a row, cumulative
+    assert ys.tolist() == pytest.approx([10, 50, 60, 71])
     band = [c for c in ax.collections if isinstance(c, matplotlib.collections.PolyCollection)]
     assert len(band) == 2
     top = band[1].get_paths()[0].vertices[:, 1].max()
@@ -82,6 +85,7 @@ def test_plot_without_matplotlib_says_how_to_get_it(runs_dir, tmp_path):
     assert proc.stderr == "fedmpi: fedmpi plot needs matplotlib: pip install matplotlib\n"
 
 
+@pytest.mark.slow
 def test_watch_follows_a_real_run_until_it_completes(tmp_path):
     config = write_config(tmp_path / "c.toml", rounds=8, data={"num_train": 1200},
                           train={"local_epochs": 2})
@@ -98,8 +102,9 @@ def test_watch_follows_a_real_run_until_it_completes(tmp_path):
     lines = [line for line in stdout.splitlines() if line != f"waiting for {out}"]
     assert lines[0] == f"watching {out}: fedavg on synthetic, 8 rounds, running"
     rounds = [line for line in lines if line.startswith("round ")]
-    assert [line.split()[1] for line in rounds] == [f"{r}/8" for r in range(1, 9)]
-    assert rounds[0].endswith("running") and "test_acc" in rounds[0] and "s/round  eta" in rounds[0]
+    assert [line.split()[1] for line in rounds] == [f"{r}/8" for r in range(0, 9)]  # 0: initial model
+    assert "initial model  test_acc" in rounds[0] and "s/round" not in rounds[0]
+    assert rounds[1].endswith("running") and "test_acc" in rounds[1] and "s/round  eta" in rounds[1]
     acc = fa.load(out)[0].rounds["test_acc"]
     assert lines[-1].startswith(f"completed: 8/8 rounds, final test_acc {acc[-1]:.4f} (best {acc.max():.4f})")
 

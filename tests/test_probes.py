@@ -63,6 +63,7 @@ def test_probes_land_in_eval_at_the_cadence_and_the_last_round(single):
     assert not np.array_equal(local["spectrum"][-1], spectrum[-1])   # local != global model
 
 
+@pytest.mark.slow
 @needs_mpi
 def test_mpirun_probes_are_bitwise_the_single_process(single, tmp_path):
     config = write_config(tmp_path / "c.toml", PROBED)
@@ -76,6 +77,7 @@ def test_mpirun_probes_are_bitwise_the_single_process(single, tmp_path):
             assert np.array_equal(a.local_spectra()[key], b.local_spectra()[key]), key
 
 
+@pytest.mark.slow
 def test_evaluate_a_finished_run_repeats_the_last_probe(single, tmp_path):
     copy = tmp_path / "copy.h5"
     copy.write_bytes(single.read_bytes())
@@ -124,6 +126,7 @@ def test_bad_probe_settings_name_the_field(changes, field):
         cfgmod.from_dict(values)
 
 
+@pytest.mark.slow
 def test_evaluate_refuses_supervised_runs_and_other_fields(tmp_path):
     out = tmp_path / "sup.h5"
     fedmpi(["run", "-q", str(write_config(tmp_path / "t.toml", TINY, rounds=1)), "-o", str(out)],
@@ -147,6 +150,7 @@ def test_report_shows_the_probes_and_plot_draws_the_spectrum(single, tmp_path):
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow
 def test_plot_spectrum_of_runs_without_probes_is_one_line(tmp_path):
     pytest.importorskip("matplotlib")
     out = tmp_path / "sup.h5"

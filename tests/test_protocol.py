@@ -27,7 +27,7 @@ def test_toy_protocol_matches_closed_form(tmp_path):
                                                  c.clients.per_round)
         np.testing.assert_allclose(run.model(), x, rtol=1e-5, atol=1e-5)
         rounds = run.rounds()
-        assert (rounds["fl_bytes_down"] + rounds["fl_bytes_up"]).tolist() == fl
+        assert (rounds["fl_bytes_down"] + rounds["fl_bytes_up"]).tolist() == [0] + fl   # 0: round 0
         clients = run.clients()
         train = clients["phase"] == 0
         assert train.sum() == c.rounds * c.clients.per_round

@@ -1,7 +1,5 @@
 """report.summarize on a synthetic run whose numbers are checkable by hand."""
 
-import numpy as np
-
 from fedmpi.report import summarize
 from fedmpi.results import ResultsWriter
 from fedmpi.results.schema import CLIENT_FIELDS, ROUND_FIELDS
@@ -12,11 +10,17 @@ CONFIG = {"algorithm": {"name": "fedavg"}, "data": {"dataset": "cifar10"}, "mode
           "rounds": 4}
 
 
-def write_run(path, config=CONFIG, status="completed", **status_attrs):
-    """4 rounds; accuracy evaluated on rounds 2-4 only; 1 MB down + 0.5 MB up per round."""
+def write_run(path, config=CONFIG, status="completed", initial=None, **status_attrs):
+    """4 rounds; accuracy evaluated on rounds 2-4 only; 1 MB down + 0.5 MB up per round.
+    With ``initial``: first the row of round 0, the initial model, evaluated to it (10 s,
+    1 MB of MPI traffic, no FL traffic)."""
     acc = [NAN, 0.60, 0.75, 0.70]
     with ResultsWriter.create(path, config=config, provenance={}, round_fields=list(ROUND_FIELDS),
                               client_fields=list(CLIENT_FIELDS), layout=[], partition={}) as writer:
+        if initial is not None:
+            writer.append_round({"round": 0, "test_acc": initial, "fl_bytes_down": 0, "fl_bytes_up": 0,
+                                 "mpi_bytes": 1_000_000, "time_wall": 10.0, "time_eval": 10.0,
+                                 "time_compute": 0.0, "time_comm": 0.0})
         for r in range(4):
             writer.append_round({"round": r + 1, "test_acc": acc[r], "fl_bytes_down": 1_000_000,
                                  "fl_bytes_up": 500_000, "mpi_bytes": 2_000_000, "time_wall": 2.0 + r,
@@ -36,6 +40,17 @@ def test_summary_has_the_expected_numbers(tmp_path):
         assert fact in text, fact
     assert "aggregate" not in text  # never measured -> not printed
     assert 8 <= len(text.splitlines()) <= 15
+
+
+def test_summary_with_round_zero_counts_trained_rounds_only(tmp_path):
+    path = tmp_path / "run.h5"
+    write_run(path, initial=0.1)
+    text = summarize(path)
+    for fact in ("4 of 4 completed", "final 70.00% (round 4), best 75.00% (round 3), initial 10.00% (round 0)",
+                 "6.00 MB (6000000 bytes)", "MPI traffic  9.00 MB",   # round 0's MPI bytes count
+                 "3.500 s mean wall", "compute 2.000 s (57%)"):      # per trained round
+        assert fact in text, fact
+    assert "eval" not in text   # measured in round 0 only, which is not a trained round
 
 
 def test_summary_lines_are_aligned(tmp_path):

@@ -38,6 +38,7 @@ def pct(mean, std):
     return f"{100 * mean:.2f} ± {100 * std:.2f}"
 
 
+@pytest.mark.slow
 def test_text_table_groups_seeds_by_algorithm(tiny):
     proc = run_cli(["report", tiny[0].parent])
     assert proc.returncode == 0, proc.stderr
@@ -70,9 +71,11 @@ def test_csv_has_raw_means_stds_and_reached_counts(tiny):
         assert row["status"] == "completed" and row["n"] == "2"
         assert float(row["final_acc_mean"]) == pytest.approx(statistics.mean(finals))
         assert float(row["final_acc_std"]) == pytest.approx(statistics.stdev(finals))
-        at2 = [r["test_acc"][1] for r in seeds]
+        at2 = [r["test_acc"][r["round"] == 2][0] for r in seeds]   # rows: rounds 0 (initial) .. 4
         assert float(row["acc@2_mean"]) == pytest.approx(statistics.mean(at2))
-        assert row["rounds_to_0.05_reached"] == "2" and float(row["rounds_to_0.05_mean"]) == 2
+        firsts = [next(int(i) for i, a in zip(r["round"], r["test_acc"]) if a >= 0.05) for r in seeds]
+        assert row["rounds_to_0.05_reached"] == "2"
+        assert float(row["rounds_to_0.05_mean"]) == statistics.mean(firsts)
         assert row["rounds_to_0.99_reached"] == "0" and row["rounds_to_0.99_mean"] == ""
         assert float(row["traffic_mb_mean"]) == pytest.approx(4 * 5 * 2 * d * 4 / 1e6)
         assert float(row["time_s_mean"]) == pytest.approx(statistics.mean(times))

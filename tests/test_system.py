@@ -135,6 +135,7 @@ def test_cuda_without_cuda_is_a_usage_error(gpus):
             choose_device(requested, True, 1, [(1, "all")])
 
 
+@pytest.mark.slow
 @needs_mpi
 @pytest.mark.parametrize("visibility, gpu_count, requested, share, expected", [
     ("node", 2, "auto", "0", {1: "cuda:0", 2: "cuda:1"}),
@@ -210,7 +211,7 @@ def test_bf16_training_keeps_fp32_master_weights_and_is_reproducible(tmp_path):
             torch.bfloat16 if precision == "bf16" else None)
         with RunFile(values["output"]) as run:
             assert run.config["system"]["precision"] == precision
-            assert np.isfinite(run.rounds()["train_loss"]).all()
+            assert np.isfinite(run.rounds()["train_loss"][1:]).all()   # [0]: round 0, untrained
             finals[name] = run.model()
     assert np.array_equal(finals["a"], finals["b"])          # bf16 is deterministic too
     assert not np.array_equal(finals["a"], finals["fp32"])    # and really ran in bf16
