@@ -161,7 +161,8 @@ def script(steps: list[Step], scratch: Path) -> str:
         if step.kind == "python":
             source = scratch / f"readme_block_{i}.py"
             source.write_text(step.runs)
-            out.append(f"python {shlex.quote(str(source))}")
+            # from stdin, as pasted into python in the checkout: sys.path[0] is the checkout
+            out.append(f"python - < {shlex.quote(str(source))}")
         else:
             out.append(step.runs)
         out.append(f"printf '    ok [%d] %d ms\\n' {i} $(( ($(date +%s%N) - t0) / 1000000 ))")
