@@ -196,7 +196,7 @@ def check_default_run(clone: Path) -> str | None:
             or not float(last) >= 0.9:
         return (f"{path.name}: status {status}, first row round {first_round} at accuracy "
                 f"{float(first):.3f}, final {float(last):.3f}; the README promises a completed "
-                f"run from about 0.10 at round 0 to about 0.94")
+                f"run from near chance at round 0 to about 0.94")
     print(f"    default run: round 0 accuracy {float(first):.3f}, final {float(last):.3f}")
     return None
 
