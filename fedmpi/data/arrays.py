@@ -307,23 +307,11 @@ def from_arrays(arrays: Mapping[str, np.ndarray], where, *, name: str = "arrays"
     shaped = {"x_train": x_train, "y_train": a["y_train"], "x_test": x_test, "y_test": a["y_test"]}
     check_arrays(where, shaped if groups is None else dict(shaped, groups=groups), modality)
     y_train, y_test = (_labels(where, key, a[key]) for key in ("y_train", "y_test"))
-    num_classes = int(max(y_train.max(), y_test.max())) + 1
-    if "num_classes" in a:
-        given = _scalar(where, "num_classes", a["num_classes"])
-        if given < num_classes:
-            _fail(where, f"array 'num_classes' is {given} but the labels go up to "
-                         f"{num_classes - 1}")
-        num_classes = given
+    num_classes = _count(where, a, "num_classes", "the labels", y_train, y_test)
     if modality == "text":
         x_train, x_test = _ids(where, "x_train", x_train), _ids(where, "x_test", x_test)
-        vocabulary = int(max(x_train.max(), x_test.max())) + 1
-        if "vocab_size" in a:
-            given = _scalar(where, "vocab_size", a["vocab_size"])
-            if given < vocabulary:
-                _fail(where, f"array 'vocab_size' is {given} but the token ids go up to "
-                             f"{vocabulary - 1}")
-            vocabulary = given
-        num_classes = max(num_classes, vocabulary)
+        num_classes = max(num_classes, _count(where, a, "vocab_size", "the token ids",
+                                              x_train, x_test))
     elif "vocab_size" in a:
         _fail(where, f"array 'vocab_size' is for text (token ids); x_train holds {modality} data")
     if num_classes < 2:
@@ -365,6 +353,17 @@ def _check_kind(where, key: str, value) -> None:
         _fail(where, f"array 'groups' has dtype {value.dtype}; natural-client ids are integers")
     if key in ("num_classes", "vocab_size") and value.size != 1:
         _fail(where, f"array {key!r} has shape {value.shape}; it is one integer")
+
+
+def _count(where, a, key: str, what: str, train, test) -> int:
+    """Largest value of train and test + 1, or the file's scalar `key` when it says more."""
+    count = int(max(train.max(), test.max())) + 1
+    if key not in a:
+        return count
+    given = _scalar(where, key, a[key])
+    if given < count:
+        _fail(where, f"array {key!r} is {given} but {what} go up to {count - 1}")
+    return given
 
 
 def _scalar(where, key: str, value: np.ndarray) -> int:

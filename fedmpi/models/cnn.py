@@ -10,13 +10,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fedmpi.models.classifier import Classifier
+
 
 def _side_after_block(side: int) -> int:
     """Spatial side after an unpadded 5x5 convolution and a 2x2 max-pool."""
     return (side - 4) // 2
 
 
-class CNN(nn.Module):
+class CNN(Classifier):
     """McMahan et al. 2017 CNN: 2 x (conv5x5 -> ReLU -> maxpool2) -> Linear(hidden) -> ReLU -> Linear."""
 
     def __init__(self, in_channels: int, num_classes: int, image_size: int,
@@ -35,10 +37,3 @@ class CNN(nn.Module):
     def features(self, x: torch.Tensor) -> torch.Tensor:
         """Penultimate representation [B, hidden], the input of `classifier`."""
         return self.body(x)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.classifier(self.features(x))
-
-    def project(self, features: torch.Tensor) -> torch.Tensor:
-        """MOON's projection of `features` (the head exists with model option proj_dim > 0)."""
-        return self.projector(features)

@@ -15,8 +15,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fedmpi.models.classifier import Classifier
 
-class CharLSTM(nn.Module):
+
+class CharLSTM(Classifier):
     """Embedding(V, embed_dim) -> `layers` x LSTM(hidden) -> Linear(hidden, V) on the last step.
 
     The `build_model` signature is shared with the image models: the vocabulary size V is
@@ -35,10 +37,3 @@ class CharLSTM(nn.Module):
         """The top layer's output after the last character, [B, hidden]; x is [B, T] ids."""
         out, _ = self.lstm(self.embedding(x.long()))  # .long(): uint8 ids work as well
         return out[:, -1]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.classifier(self.features(x))
-
-    def project(self, features: torch.Tensor) -> torch.Tensor:
-        """MOON's projection of `features` (the head exists with model option proj_dim > 0)."""
-        return self.projector(features)

@@ -11,8 +11,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fedmpi.models.classifier import Classifier
 
-class MLP(nn.Module):
+
+class MLP(Classifier):
     """Linear(F, h1) -> ReLU -> ... -> Linear(h_k, num_classes).
 
     The `build_model` signature is shared with the image models: for tabular data
@@ -33,10 +35,3 @@ class MLP(nn.Module):
     def features(self, x: torch.Tensor) -> torch.Tensor:
         """Penultimate representation [B, hidden[-1]] (x itself without hidden layers)."""
         return self.body(x)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.classifier(self.features(x))
-
-    def project(self, features: torch.Tensor) -> torch.Tensor:
-        """MOON's projection of `features` (the head exists with model option proj_dim > 0)."""
-        return self.projector(features)

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fedmpi.models.classifier import Classifier
+
 WIDTHS = (64, 128, 256, 512)  # every GroupNorm's num_groups must divide all of these
 STEMS = ("cifar", "imagenet")
 
@@ -59,7 +61,7 @@ def _stage(in_planes: int, planes: int, stride: int, num_groups: int) -> nn.Sequ
                          BasicBlock(planes, planes, 1, num_groups))
 
 
-class ResNet18(nn.Module):
+class ResNet18(Classifier):
     """ResNet-18 (He et al. 2016) with GroupNorm(num_groups); 512-d features after global avg-pool."""
 
     def __init__(self, in_channels: int, num_classes: int, image_size: int,
@@ -86,10 +88,3 @@ class ResNet18(nn.Module):
         """Penultimate representation [B, 512] (global average pool output)."""
         x = self.layer2(self.layer1(self.stem(x)))
         return self.pool(self.layer4(self.layer3(x)))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.classifier(self.features(x))
-
-    def project(self, features: torch.Tensor) -> torch.Tensor:
-        """MOON's projection of `features` (the head exists with model option proj_dim > 0)."""
-        return self.projector(features)

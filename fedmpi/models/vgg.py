@@ -15,6 +15,8 @@ import math
 import torch
 from torch import nn
 
+from fedmpi.models.classifier import Classifier
+
 CONFIG_A = (64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M")
 WIDTHS = (64, 128, 256, 512)  # with norm="group", num_groups must divide all of these
 NORMS = ("none", "group")
@@ -34,7 +36,7 @@ def _conv_stack(in_channels: int, norm: str, num_groups: int) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-class VGG11(nn.Module):
+class VGG11(Classifier):
     """VGG-11 (Simonyan & Zisserman 2015, config A) with NIID-Bench's small-image head."""
 
     def __init__(self, in_channels: int, num_classes: int, image_size: int,
@@ -61,10 +63,3 @@ class VGG11(nn.Module):
     def features(self, x: torch.Tensor) -> torch.Tensor:
         """Penultimate representation [B, 512], the input of `classifier`."""
         return self.head(self.convs(x))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.classifier(self.features(x))
-
-    def project(self, features: torch.Tensor) -> torch.Tensor:
-        """MOON's projection of `features` (the head exists with model option proj_dim > 0)."""
-        return self.projector(features)
