@@ -1,0 +1,131 @@
+"""Fingerprints of every preset's results: a refactor of the runtime must not change a bit.
+
+    python tools/preset_fingerprints.py --write tests/data/preset_fingerprints.json
+    python tools/preset_fingerprints.py            # compare with the stored ones
+
+Each preset, and every algorithm without a preset of its own on the `default` preset
+(self-supervised ones on `fussl_fmnist_silo`), runs in one process for 2 rounds in deterministic mode on a small
+synthetic stand-in for its data (the preset's model, algorithm, partition and training
+rules; fewer clients, samples and local steps; presets that come out equal once shrunk
+run once), and its results file is reduced to a SHA-256 of the
+round metrics (every /rounds column but the timings and the MPI byte count, which
+measure the machine and the transport, not the method), of the per-client rows, and of
+the final model. Bitwise equality holds on the same kind of machine (CPU build, torch
+version), which is where CI stores and checks them; `tests/test_preset_fingerprints.py`
+does the comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fedmpi import config as cfgmod
+from fedmpi.comm import LocalComm
+from fedmpi.results import RunFile
+from fedmpi.runtime import run_experiment
+
+MACHINE_COLUMNS = ("time_", "mpi_bytes")    # measure the machine and transport, not the method
+CLIENT_MACHINE_COLUMNS = ("seconds", "rank")
+
+
+SSL_BASE = "fussl_fmnist_silo"
+
+
+def small(preset: str) -> list[str]:
+    """Overrides that shrink a preset to seconds while keeping what makes it that preset."""
+    values = cfgmod.load_preset(preset)
+    image = values.get("model", {}).get("name", "cnn") != "lstm"
+    overrides = ["rounds=2", "system.deterministic=true", "system.threads=1",
+                 "clients.num=6", "clients.per_round=3", "train.local_epochs=1",
+                 "train.batch_size=16", "eval.every=1", "eval.probes=[]",
+                 "eval.batch_size=64", "system.checkpoint_every=1"]
+    if image:
+        channels = 3 if "cifar" in preset else 1
+        overrides += ['data.dataset="synthetic"', "data.data_dir=''", "data.num_train=240",
+                      "data.num_test=48", f"data.size={16 if channels == 3 else 28}",
+                      f"data.channels={channels}", "data.num_classes=10"]
+        if values.get("data", {}).get("public_size"):
+            overrides.append("data.public_size=40")
+    return overrides
+
+
+def cases() -> dict[str, tuple[str, list[str]]]:
+    """name -> (preset, overrides): the presets, then each algorithm on its family's base."""
+    from fedmpi.algorithms import REGISTRY
+
+    found, seen = {}, set()
+    for preset in cfgmod.presets():
+        resolved = cfgmod.resolve(None, preset, small(preset)).to_dict()
+        resolved.pop("name")
+        key = json.dumps(resolved, sort_keys=True, default=str)
+        if key not in seen:
+            seen.add(key)
+            found[preset] = (preset, small(preset))
+    for name, cls in sorted(REGISTRY.items()):
+        if any(preset == name or preset.startswith(name + "_") for preset in found):
+            continue   # run on its own preset already
+        base = "default" if cls.supervised else SSL_BASE
+        extra = ["model.proj_dim=16"] if name == "moon" else []   # MOON's projection head
+        found[f"algorithm={name}"] = (base, small(base) + [f'algorithm.name="{name}"', *extra])
+    return found
+
+
+def fingerprint(case: str, preset: str, overrides: list[str], directory: Path) -> dict[str, str]:
+    out = directory / f"{case}.h5"
+    config = cfgmod.resolve(None, preset, overrides + [f'output="{out}"'])
+    torch.manual_seed(0)
+    run_experiment(config, LocalComm(), quiet=True)
+    with RunFile(out) as run:
+        rounds, clients = run.rounds(), run.clients()
+        return {
+            "rounds": _digest({k: v for k, v in rounds.items() if not k.startswith(MACHINE_COLUMNS)}),
+            "clients": _digest({k: v for k, v in clients.items()
+                                if not k.startswith(CLIENT_MACHINE_COLUMNS)}),
+            "model": _digest({"final": run.model()}),
+        }
+
+
+def _digest(columns: dict) -> str:
+    h = hashlib.sha256()
+    for name in sorted(columns):
+        values = np.ascontiguousarray(columns[name])
+        h.update(name.encode() + str(values.dtype).encode() + str(values.shape).encode())
+        h.update(values.tobytes())
+    return h.hexdigest()
+
+
+def all_fingerprints() -> dict[str, dict[str, str]]:
+    with tempfile.TemporaryDirectory() as tmp:
+        return {case: fingerprint(case, preset, overrides, Path(tmp))
+                for case, (preset, overrides) in cases().items()}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--write", metavar="JSON", help="store the fingerprints here")
+    parser.add_argument("--stored", default=str(Path(__file__).resolve().parents[1] / "tests" / "data"
+                                                / "preset_fingerprints.json"))
+    args = parser.parse_args(argv)
+    found = all_fingerprints()
+    if args.write:
+        Path(args.write).write_text(json.dumps(found, indent=1, sort_keys=True) + "\n")
+        print(f"wrote {len(found)} presets' fingerprints to {args.write}")
+        return 0
+    stored = json.loads(Path(args.stored).read_text())
+    changed = [p for p in stored if found.get(p) != stored[p]]
+    for preset in changed:
+        parts = [k for k in stored[preset] if found.get(preset, {}).get(k) != stored[preset][k]]
+        print(f"{preset}: {', '.join(parts)} changed")
+    return 1 if changed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
