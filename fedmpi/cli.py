@@ -6,29 +6,15 @@ without touching an existing results file.
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 
 import click
 
-from .errors import UsageError
+from .errors import UsageError, one_line_errors
 from .signals import launcher_rank as _launcher_rank   # light: no torch
 
-EXIT_USAGE, EXIT_FAILED, EXIT_INTERRUPTED = 2, 1, 130   # 130: killed by SIGINT, by convention
-
-
-def one_line_errors(command):
-    """Turn UsageError into 'fedmpi: <message>' and exit 2 (printed by rank 0 only)."""
-    @functools.wraps(command)
-    def wrapper(*args, **kwargs):
-        try:
-            return command(*args, **kwargs)
-        except UsageError as exc:
-            if _launcher_rank() == 0:
-                click.echo(f"fedmpi: {exc}", err=True)
-            sys.exit(EXIT_USAGE)
-    return wrapper
+EXIT_FAILED, EXIT_INTERRUPTED = 1, 130   # 130: killed by SIGINT, by convention
 
 
 class _Commands(click.Group):
@@ -279,7 +265,7 @@ def evaluate(file, probe_names, overrides, quiet):
 
 
 # Offline analysis (fedmpi.analysis): paper-style tables, figures, following a live run.
-from .analysis.cli import plot, report, watch  # noqa: E402  (they import cli lazily)
+from .analysis.cli import plot, report, watch  # noqa: E402
 from .sweep_cli import sweep  # noqa: E402
 
 for _command in (report, plot, watch, sweep):

@@ -11,21 +11,12 @@ Registered in ``fedmpi/cli.py`` with ``main.add_command(sweep)``.
 
 from __future__ import annotations
 
-import functools
 import shlex
 
 import click
 
-from .errors import UsageError
-
-
-def _one_line_errors(command):
-    """fedmpi.cli.one_line_errors, imported when called: cli.py imports this module."""
-    @functools.wraps(command)
-    def wrapper(*args, **kwargs):
-        from .cli import one_line_errors
-        return one_line_errors(command)(*args, **kwargs)
-    return wrapper
+from .errors import UsageError, one_line_errors
+from .signals import launcher_rank
 
 
 @click.command()
@@ -44,7 +35,7 @@ def _one_line_errors(command):
               help="Results go to DIR/<sweep name>/ (default: the sweep's outdir, else runs).")
 @click.option("--force", is_flag=True, help="With --run-cell: start afresh over an existing file.")
 @click.option("-q", "--quiet", is_flag=True, help="With --run-cell: no progress lines.")
-@_one_line_errors
+@one_line_errors
 def sweep(sweep_file, count, cell_index, print_args, run_cell, overrides, outdir, force, quiet):
     """Cells of SWEEP_FILE (a sweep, or a plain config = one cell): list, count, run.
 
@@ -99,9 +90,9 @@ def _list(plan, cells, header: bool) -> None:
 def _run_cell(plan, cell, force: bool, quiet: bool) -> None:
     """Complete one cell through `fedmpi run` in this process (same code, same exit codes)."""
     from . import sweep as sweeps
-    from .cli import _launcher_rank, main
+    from .cli import main
 
-    speak = _launcher_rank() == 0 and not quiet
+    speak = launcher_rank() == 0 and not quiet
     status = sweeps.cell_status(cell)
     if status == "completed" and not force:
         if speak:

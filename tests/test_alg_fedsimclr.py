@@ -11,7 +11,7 @@ from fedmpi import config as cfgmod
 from fedmpi.data import load_dataset
 from fedmpi.models import build_model
 from fedmpi.results import RunFile
-from fedmpi.ssl_eval import features, knn_predict
+from fedmpi.evaluation.ssl import features, knn_predict
 
 from conftest import fedmpi, mpirun, needs_mpi
 from helpers import write_config

@@ -102,7 +102,7 @@ def tiny(tmp_path_factory):
 
 
 def test_importing_the_analysis_api_needs_neither_torch_nor_mpi():
-    code = ("import sys, fedmpi.analysis, fedmpi.analysis.cli, fedmpi.report; "
+    code = ("import sys, fedmpi.analysis, fedmpi.analysis.cli, fedmpi.analysis.report; "
             "print(sorted(m for m in ('torch', 'mpi4py', 'matplotlib') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
@@ -291,7 +291,7 @@ def test_differing_keys_ignore_labels_and_keys_of_one_algorithm(tmp_path):
 
 @pytest.mark.parametrize("path", sorted(DATA.glob("*.h5")), ids=lambda p: p.name)
 def test_every_archived_results_file_still_analyses(path, tmp_path):
-    from fedmpi.report import report_table, summarize
+    from fedmpi.analysis.report import report_table, summarize
 
     runs = fa.load(path)
     run = runs[0]

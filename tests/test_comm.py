@@ -45,7 +45,7 @@ def test_objects_between_ranks_must_be_host_data():
     import torch
 
     from fedmpi.comm.mpi import host_pickle
-    from fedmpi.ssl_eval import CovarianceSums, KnnPartial
+    from fedmpi.evaluation.ssl import CovarianceSums, KnnPartial
 
     with pytest.raises(TypeError, match=r"comm.gather_obj: got a torch tensor \(device cpu, "
                                         r"shape \(2,\)\).*send tensor.detach\(\).cpu\(\).numpy\(\)"):

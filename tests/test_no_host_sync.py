@@ -30,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PER_STEP = ("fedmpi/algorithms/*.py", "fedmpi/data/ssl_augment.py", "fedmpi/data/augment.py",
-            "fedmpi/evaluation.py", "fedmpi/ssl_eval.py", "fedmpi/flat.py",
+            "fedmpi/evaluation/*.py", "fedmpi/flat.py",
             "fedmpi/models/*.py", "fedmpi/runtime/clientdata.py")
 SYNC_METHODS = {"item", "cpu", "numpy", "tolist", "nonzero", "argwhere", "bincount"}
 CONVERSIONS = {"float", "int", "bool"}
@@ -221,4 +221,5 @@ def test_checker_flags_tensor_reads_and_honours_markers():
 def test_checker_sees_every_listed_module():
     names = {str(p.relative_to(ROOT)) for p in per_step_files()}
     assert {"fedmpi/algorithms/local_sgd.py", "fedmpi/data/ssl_augment.py", "fedmpi/flat.py",
-            "fedmpi/runtime/clientdata.py", "fedmpi/models/cnn.py"} <= names
+            "fedmpi/runtime/clientdata.py", "fedmpi/models/cnn.py",
+            "fedmpi/evaluation/supervised.py", "fedmpi/evaluation/ssl.py"} <= names

@@ -1,6 +1,6 @@
 """report.summarize on a synthetic run whose numbers are checkable by hand."""
 
-from fedmpi.report import summarize
+from fedmpi.analysis.report import summarize
 from fedmpi.results import ResultsWriter
 from fedmpi.results.schema import CLIENT_FIELDS, ROUND_FIELDS
 

@@ -15,7 +15,7 @@ import h5py
 import pytest
 from test_analysis import last_finite, make_tiny_runs, raw_rounds, run_cli, write_run
 
-from fedmpi.report import summarize
+from fedmpi.analysis.report import summarize
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
 NAN = float("nan")

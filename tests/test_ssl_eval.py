@@ -11,12 +11,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedmpi import ssl_eval
 from fedmpi.errors import UsageError
-from fedmpi.ssl_eval import (KnnPartial, combine_covariance_sums, covariance_sums, effective_rank,
-                             feature_spectrum, features, fine_tune, knn_merge, knn_partial,
-                             knn_predict, knn_vote, linear_probe, log10_spectrum, merge_partials,
-                             random_resized_crop_flip, stratified_subset)
+from fedmpi.evaluation import ssl as ssl_eval
+from fedmpi.evaluation.ssl import (KnnPartial, combine_covariance_sums, covariance_sums,
+                                   effective_rank, feature_spectrum, features, fine_tune,
+                                   knn_merge, knn_partial, knn_predict, knn_vote, linear_probe,
+                                   log10_spectrum, merge_partials, random_resized_crop_flip,
+                                   stratified_subset)
 
 
 def clusters(n_per_class, dim=16, classes=3, spread=0.3, seed=0):

@@ -18,8 +18,7 @@ import click
 
 from fedmpi.analysis import render, runs_table
 from fedmpi.analysis.cli import load_runs, parse_rounds, parse_smooth, parse_targets
-from fedmpi.cli import one_line_errors
-from fedmpi.errors import UsageError
+from fedmpi.errors import UsageError, one_line_errors
 
 
 @click.command()

@@ -21,8 +21,7 @@ from fedmpi.analysis import differing_keys, group_table, pivot, render
 from fedmpi.analysis.cli import load_runs, parse_rounds, parse_smooth, parse_targets
 from fedmpi.analysis.metrics import target_name
 from fedmpi.analysis.tables import check_keys
-from fedmpi.cli import one_line_errors
-from fedmpi.errors import UsageError
+from fedmpi.errors import UsageError, one_line_errors
 
 
 @click.command()

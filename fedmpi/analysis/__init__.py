@@ -15,6 +15,7 @@ takes as they are. docs/analysis.md has the guide; in short::
 
 Layers: ``runs`` (find and read files into ``Run``), ``metrics`` (numbers of one run),
 ``tables`` (many runs: tidy tables, groups), ``render`` (text/Markdown/CSV), ``plot``,
+``report`` (what ``fedmpi report`` prints: a run's summary, a paper-style table),
 ``watch`` (follow a live file); ``fedmpi.analysis.cli`` holds the click commands.
 """
 

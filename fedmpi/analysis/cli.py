@@ -8,23 +8,13 @@ Options are taken as text and checked here, so every bad value is the usual one-
 
 from __future__ import annotations
 
-import functools
 import math
 import sys
 import warnings
 
 import click
 
-from fedmpi.errors import UsageError
-
-
-def _one_line_errors(command):
-    """fedmpi.cli.one_line_errors, imported when called: cli.py imports this module."""
-    @functools.wraps(command)
-    def wrapper(*args, **kwargs):
-        from fedmpi.cli import one_line_errors
-        return one_line_errors(command)(*args, **kwargs)
-    return wrapper
+from fedmpi.errors import UsageError, one_line_errors
 
 
 def _sources(command):
@@ -52,7 +42,7 @@ def _grouping(command):
               help="Columns to show, comma-separated: acc,final,best,rounds,traffic,time,kappa,rho.")
 @click.option("--completed-only", is_flag=True, help="Leave out runs that did not complete.")
 @click.option("--summary", is_flag=True, help="A summary per run instead of a table.")
-@_one_line_errors
+@one_line_errors
 def report(sources, strict, group_by, smooth, at, target, fmt, columns, completed_only, summary):
     """Summarise one run, or tabulate many grouped by config (mean ± std over seeds).
 
@@ -61,7 +51,7 @@ def report(sources, strict, group_by, smooth, at, target, fmt, columns, complete
     the runs, seed excepted), with accuracy at --at rounds, final and best accuracy,
     rounds to --target accuracies, FL traffic (MB), wall time, kappa and rho.
     """
-    from fedmpi.report import report_table, summarize
+    from fedmpi.analysis.report import report_table, summarize
 
     runs = load_runs(sources, strict, completed_only)
     table_options = group_by or at or target or smooth or fmt or columns
@@ -83,7 +73,7 @@ def report(sources, strict, group_by, smooth, at, target, fmt, columns, complete
 @click.option("--spectrum", is_flag=True,
               help="Plot the feature spectrum of self-supervised runs instead (/eval: the top "
                    "100 singular values, log10, of each run's last probe; FedU^2 Figure 3).")
-@_one_line_errors
+@one_line_errors
 def plot(sources, strict, group_by, smooth, output, x_axis, title, spectrum):
     """Plot test accuracy of runs against rounds, FL traffic or wall time into one figure.
 
@@ -107,7 +97,7 @@ def plot(sources, strict, group_by, smooth, output, x_axis, title, spectrum):
 @click.option("--wait", is_flag=True, help="Wait for FILE to appear (a job still queued).")
 @click.option("--timeout", metavar="SECONDS",
               help="Give up with exit code 124 when no new round comes for SECONDS (for scripts).")
-@_one_line_errors
+@one_line_errors
 def watch(file, interval, once, wait, timeout):
     """Follow a running experiment's results file: a line per round until it ends.
 

@@ -1,55 +1,18 @@
-"""Test-set evaluation sharded over workers in fixed chunks.
+"""Self-supervised evaluations sharded over workers: the kNN monitor of every evaluation
+round, and the probes into /eval (FedU^2's protocols; config ``eval.probes``).
 
-The test set is cut into chunks of ``batch_size`` samples, chunk j goes to worker
-j mod W, and each chunk's (correct, loss sum, count) comes back to the server, which
-adds them in chunk order. The chunks, and so the sums, do not depend on the number of
-workers: accuracy and loss are bitwise identical for any layout.
+Each worker computes its share over fixed chunks (``fedmpi.evaluation.ssl`` holds the
+primitives), so the server's merged result does not depend on the number of workers.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-
-def chunks_of(num_samples: int, chunk_size: int, worker: int, num_workers: int) -> list[int]:
-    num_chunks = -(-num_samples // chunk_size)
-    return list(range(worker, num_chunks, num_workers))
-
-
-@torch.no_grad()
-def evaluate_chunks(module, data, chunk_ids: list[int], chunk_size: int) -> np.ndarray:
-    """Rows (chunk, correct, loss_sum, count) as float64 for this worker's chunks.
-
-    Each chunk's (correct, loss) stays on the device; the host reads them all at once."""
-    module.eval()
-    rows = np.zeros((len(chunk_ids), 4))
-    n = len(data.test_y)
-    sums = []
-    for row, j in enumerate(chunk_ids):
-        sl = slice(j * chunk_size, min((j + 1) * chunk_size, n))
-        logits = module(data.prepare(data.test_x[sl], None))
-        y = data.test_y[sl]
-        loss = F.cross_entropy(logits, y, reduction="sum")
-        correct = (logits.argmax(1) == y).sum()
-        sums.append(torch.stack([correct.double(), loss.double()]))  # exact, as float() was
-        rows[row, 0], rows[row, 3] = j, len(y)
-    if sums:
-        rows[:, 1:3] = torch.stack(sums).cpu().numpy()  # host sync: once per evaluation
-    return rows
-
-
-def combine(rows: np.ndarray) -> tuple[float, float]:
-    """(accuracy, mean loss) from every worker's chunk rows, summed in chunk order."""
-    rows = rows[np.argsort(rows[:, 0], kind="stable")]
-    correct = loss = count = 0.0
-    for _, c, l, k in rows:
-        correct += c
-        loss += l
-        count += k
-    return correct / count, loss / count
-
+from .ssl import (BANK_BLOCK, combine_covariance_sums, covariance_sums, features, fine_tune,
+                  knn_merge, knn_partial, linear_probe, merge_partials, spectrum_from_sums,
+                  stratified_subset)
 
 # ---- representation learners: the kNN monitor (FedU^2 code) -----------
 
@@ -62,8 +25,6 @@ def knn_worker(encoder, data, worker: int, num_workers: int, k: int = KNN_K):
     against every test sample. Returns the merged top-k of its chunks (or None).
 
     Images go in as every batch does (``data.prepare``: normalised, no augmentation)."""
-    from .ssl_eval import BANK_BLOCK, features, knn_partial, merge_partials
-
     n_bank = len(data.train_y)
     starts = range(worker * BANK_BLOCK, n_bank, num_workers * BANK_BLOCK)
     if not len(starts):
@@ -82,8 +43,6 @@ def knn_worker(encoder, data, worker: int, num_workers: int, k: int = KNN_K):
 def knn_accuracy(partials, test_y, num_classes: int, k: int = KNN_K,
                  temperature: float = KNN_TEMPERATURE) -> float:
     """Server: merge the workers' top-k lists exactly and vote."""
-    from .ssl_eval import knn_merge
-
     predictions = knn_merge([p for p in partials if p is not None], k, temperature, num_classes)
     # host sync: once per evaluation, on the server
     return float((predictions.cpu() == test_y.cpu()).double().mean())
@@ -109,10 +68,8 @@ def probe_column(task: tuple[str, float]) -> str:
 
 def run_probe(task, encoder, data, num_classes: int, seed: int, key: int, *,
               linear_epochs: int, finetune_epochs: int) -> float:
-    """Test accuracy of one probe task on this worker (fedmpi.ssl_eval): ``seed`` fixes
+    """Test accuracy of one probe task on this worker (fedmpi.evaluation.ssl): ``seed`` fixes
     the labelled subset (the same at every evaluation), ``key`` the training's draws."""
-    from .ssl_eval import features, fine_tune, linear_probe, stratified_subset
-
     kind, fraction = task
     prepare = lambda x: data.prepare(x, None)  # noqa: E731
     generator = torch.Generator(device=data.device).manual_seed(key)
@@ -130,8 +87,6 @@ def run_probe(task, encoder, data, num_classes: int, seed: int, key: int, *,
 def spectrum_worker(encoder, data, worker: int, num_workers: int) -> list:
     """(chunk, CovarianceSums) of test chunks j = worker, worker + W, ...: l2-normalised
     encoder features (the kNN monitor's z), SPECTRUM_CHUNK rows each."""
-    from .ssl_eval import covariance_sums, features
-
     prepare = lambda x: data.prepare(x, None)  # noqa: E731
     n = len(data.test_y)
     return [(start // SPECTRUM_CHUNK, covariance_sums(features(
@@ -141,8 +96,6 @@ def spectrum_worker(encoder, data, worker: int, num_workers: int) -> list:
 
 def spectrum(parts) -> np.ndarray:
     """Server: singular values (descending) of the feature covariance, chunks in order."""
-    from .ssl_eval import combine_covariance_sums, spectrum_from_sums
-
     chunks = sorted((c for part in parts for c in part), key=lambda c: c[0])
     sums = combine_covariance_sums([s for _, s in chunks])
     return spectrum_from_sums(sums).cpu().numpy()  # host sync: once per evaluation, server

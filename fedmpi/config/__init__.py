@@ -1,0 +1,47 @@
+"""An experiment's configuration: dataclasses, TOML files, presets and ``--set`` overrides.
+
+Precedence is command line > config file or preset > defaults. Validation happens here,
+before any MPI work, and every problem is a one-line ``UsageError`` that names the
+field (``train.lr``) and what is allowed. Beyond each field's own range, every number
+anywhere in a config is finite (NaN never; infinity only for FedU's ``algorithm.mu``),
+every integer at most 2**62 in size (``seed``: 0 to 2**64 - 1) and every string free of
+control characters (``check_scalar``); docs/hostile-inputs.md lists the cases. The
+resolved config is a plain nested dict (``to_dict``) that the results file stores as JSON.
+
+Modules: ``schema`` (the dataclasses), ``coerce`` (TOML values -> typed fields,
+``check_scalar``), ``validate`` (``from_dict``: checks, and the defaults filled in),
+``sources`` (files, presets, ``--set``; ``resolve``), ``toml`` (back to TOML, by tomli_w).
+
+Sections of a TOML file (every key optional)::
+
+    name, seed, rounds, output, plugins (modules to import: your own algorithms)
+    [data]       dataset, data_dir, augment, crop_padding, flip, + dataset options
+    [partition]  kind, + its parameters (dirichlet: alpha, min_size, ...), feature skew
+                 (noise, noise_mode, brightness, saturation)
+    [clients]    num, per_round, replace_prob, replace_every
+    [model]      name, channels_last, + model options (e.g. hidden = 256)
+    [algorithm]  name, + algorithm parameters (e.g. mu = 0.01)
+    [train]      local_epochs, batch_size, lr, lr_decay, weight_decay, clip_norm, global_lr
+    [eval]       every, batch_size, update_stats, and for self-supervised runs the probes
+                 (probes, probe_every, linear_epochs, finetune_epochs, finetune_fractions,
+                 local_spectra)
+    [system]     device, gpu_share, precision, deterministic, threads, state_memory_mb,
+                 state_dir, checkpoint_every
+"""
+
+from .coerce import INT_MAX, SEED_MAX, build, check_scalar, field_error
+from .schema import (OPEN_SECTIONS, AlgorithmConfig, ClientsConfig, DataConfig, EvalConfig,
+                     ExperimentConfig, ModelConfig, PartitionConfig, SystemConfig, TrainConfig)
+from .sources import (CONFIG_MAX_BYTES, apply_overrides, load_file, load_preset, parse_override,
+                      presets, read_toml_file, resolve)
+from .toml import to_toml, toml_value
+from .validate import NAME_MAX, PRECISIONS, PROBES, from_dict, import_plugins, resolve_and_validate
+
+__all__ = [
+    "AlgorithmConfig", "CONFIG_MAX_BYTES", "ClientsConfig", "DataConfig", "EvalConfig",
+    "ExperimentConfig", "INT_MAX", "ModelConfig", "NAME_MAX", "OPEN_SECTIONS", "PRECISIONS",
+    "PROBES", "PartitionConfig", "SEED_MAX", "SystemConfig", "TrainConfig", "apply_overrides",
+    "build", "check_scalar", "field_error", "from_dict", "import_plugins", "load_file",
+    "load_preset", "parse_override", "presets", "read_toml_file", "resolve",
+    "resolve_and_validate", "to_toml", "toml_value",
+]

@@ -1,0 +1,148 @@
+"""The experiment's configuration as dataclasses: sections, fields, their defaults.
+
+Open sections (``OPEN_SECTIONS``) pass their unknown keys on to what they configure (the
+dataset, the partition kind, the model, the algorithm), which checks them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class DataConfig:
+    dataset: str = "mnist5k"           # see `fedmpi datasets`: synthetic | mnist5k | fashion_mnist |
+                                       # mnist | cifar10 | cifar100 | tiny_imagenet | shakespeare |
+                                       # arrays (your own .npz/HDF5 file: data.path) | a plugin's
+    data_dir: str | None = None        # where the dataset's files are (some sources find their own)
+    augment: bool = False              # random crop with padding + horizontal flip, on the device
+    crop_padding: int = 4
+    flip: bool = True
+    public_size: int = 0               # a server-side labelled set (FNR-FL); 0 = none
+    public_from: str = "train"         # train: held out before partitioning, disjoint from test;
+                                       # test: the first public_size test samples (FNR-FL's paper
+                                       # setting; LEAKY: the model then trains on what it is tested on)
+    options: dict = field(default_factory=dict)   # dataset-specific (synthetic sizes)
+
+
+@dataclass
+class PartitionConfig:
+    kind: str = "iid"                  # iid | dirichlet | pathological | quantity | natural
+    params: dict = field(default_factory=dict)    # the kind's parameters, e.g. alpha = 0.3
+    # Feature skew, on top of any kind (label + feature = a label kind with these set):
+    noise: float = 0.0                 # Gaussian pixel noise (images in [0, 1]); "level": client
+                                       # i of K gets std noise * i / (K - 1) (FNR-FL, NIID-Bench)
+    noise_mode: str = "level"          # level | space (std = noise only in client i's image block)
+    brightness: float = 0.0            # client brightness factor ~ U(1 - b, 1 + b), fixed per client
+    saturation: float = 0.0            # client saturation factor ~ U(1 - s, 1 + s) (FedMIM colour skew)
+
+
+@dataclass
+class ClientsConfig:
+    num: int = 20                      # N, the client population
+    per_round: int = 5                 # S, clients sampled uniformly without replacement
+    replace_prob: float = 0.0          # dynamic population (FedACG Table 3): every replace_every
+    replace_every: int = 0             # rounds each client is replaced with this probability by
+                                       # a fresh one (new id, no state, fresh data); 0 = static
+
+
+@dataclass
+class ModelConfig:
+    name: str = "cnn"                  # cnn | resnet18 | vgg11 (images), lstm (text), mlp (tabular)
+    channels_last: bool = True         # NHWC activations: 1.3x faster convolutions on CPU
+    options: dict = field(default_factory=dict)
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = "fedavg"
+    params: dict = field(default_factory=dict)
+
+
+@dataclass
+class TrainConfig:
+    local_epochs: int = 1              # E
+    batch_size: int = 32               # B
+    lr: float = 0.05                   # eta_l, local learning rate of round 0
+    lr_decay: float = 1.0              # eta_l^t = lr * lr_decay^t
+    weight_decay: float = 0.0
+    clip_norm: float = 10.0            # clip the local gradient to this L2 norm; 0 = off
+    global_lr: float = 1.0             # eta_g
+
+
+@dataclass
+class EvalConfig:
+    every: int = 1                     # evaluate every k rounds (and always the last round)
+    at_start: bool = True              # also evaluate the initial model before the first round:
+                                       # /rounds row `round = 0` (test metrics only; no training,
+                                       # no probes); a resumed run never evaluates it again
+    batch_size: int = 0                # also the chunk a worker scores; 0 = auto: 250 when the
+                                       # workers run on CPUs (activations stay in cache), 1000 on
+                                       # GPUs (the value used is the file's eval_batch_size)
+    update_stats: bool = False         # mean pairwise cosine of client updates and local
+                                       # consistency per round (two extra d-vectors summed)
+    # Self-supervised runs: probes of the global encoder into /eval (expensive; kNN runs on
+    # every evaluation round regardless). Any of "linear", "finetune", "spectrum".
+    probes: list = field(default_factory=list)
+    probe_every: int = 0               # rounds between probes; 0 = after the last round only
+    linear_epochs: int = 200           # linear probe: Adam lr 3e-3, batch 512 (FedU^2 code)
+    finetune_epochs: int = 200         # fine-tuning: SGD, batch 128, crop + flip (FedU^2 code)
+    finetune_fractions: list[float] = field(default_factory=lambda: [0.01, 0.1])
+    local_spectra: bool = False        # also the spectrum of each client's local model on probe
+                                       # rounds (FedU^2 Figure 3's local models), /local_spectra
+
+
+@dataclass
+class SystemConfig:
+    device: str = "auto"               # auto | cpu | cuda | cuda:N (auto and cuda: one GPU per
+                                       # worker, taken in rank order on each node)
+    gpu_share: bool = False            # allow more workers than GPUs on a node (they share)
+    precision: str = "fp32"            # fp32 | tf32 (TF32 matmuls and convolutions on NVIDIA
+                                       # GPUs) | bf16 (forward and loss under bfloat16 autocast,
+                                       # FP32 master weights and updates)
+    deterministic: bool = False        # bitwise-identical results for any number of ranks
+    threads: int = 0                   # torch threads per rank; 0 = auto: a worker takes its
+                                       # share of the node's cores (all of them in a single-
+                                       # process run), the server 1; deterministic runs: 1
+    state_memory_mb: int = 4096        # client state kept in memory; past it, spilled to disk
+    state_dir: str | None = None       # where spilled client state goes (default: a temp dir)
+    checkpoint_every: int = 10         # rounds between checkpoints in the results file; 0 = only
+                                       # on SIGUSR1/SIGTERM (preemption)
+
+
+@dataclass
+class ExperimentConfig:
+    name: str = "experiment"
+    seed: int = 0
+    rounds: int = 20
+    output: str = "runs/{name}-{algorithm}-seed{seed}.h5"
+    plugins: list = field(default_factory=list)   # modules that register algorithms/models
+    data: DataConfig = field(default_factory=DataConfig)
+    partition: PartitionConfig = field(default_factory=PartitionConfig)
+    clients: ClientsConfig = field(default_factory=ClientsConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    system: SystemConfig = field(default_factory=SystemConfig)
+
+    def output_path(self) -> Path:
+        return Path(self.output.format(**self.placeholders()))
+
+    def placeholders(self) -> dict:
+        """What ``output`` may name: {name} {algorithm} {dataset} {seed}."""
+        return {"name": self.name, "algorithm": self.algorithm.name,
+                "dataset": self.data.dataset, "seed": self.seed}
+
+    def to_dict(self) -> dict:
+        """The resolved config as nested plain data; open sections are flattened back."""
+        out = dataclasses.asdict(self)
+        for section, extra in OPEN_SECTIONS.items():
+            out[section].update(out[section].pop(extra))
+        return out
+
+
+# Sections whose unknown keys are passed on (validated by the dataset, model or algorithm).
+OPEN_SECTIONS = {"data": "options", "partition": "params", "model": "options", "algorithm": "params"}

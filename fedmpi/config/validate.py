@@ -1,0 +1,236 @@
+"""Checks of a built config, and the one step that fills in what a config leaves out.
+
+``from_dict`` is the whole path from plain data: build the dataclasses (``coerce``),
+import the plugins, then ``resolve_and_validate``: range and cross-field checks, and the
+partition's, model's and algorithm's parameters written out with their defaults (so the
+results file says what actually ran). The ``_validate_*`` helpers only check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from .coerce import build, check_scalar, field_error
+from .schema import OPEN_SECTIONS, ExperimentConfig
+
+NAME_MAX = 255  # bytes in one file name on every common file system
+
+
+def from_dict(values: dict) -> ExperimentConfig:
+    """Plain config data (a TOML file's, a results file's) -> the resolved, checked config."""
+    config = build(ExperimentConfig, values, "")
+    import_plugins(config.plugins)
+    resolve_and_validate(config)
+    return config
+
+
+def import_plugins(modules: list[str]) -> None:
+    """Import user modules whose ``@register`` adds algorithms (``fedmpi.algorithms.register``)
+    or datasets (``fedmpi.data.register``): fedmpi never edits core code for a new method
+    or a new dataset."""
+    import importlib
+
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise field_error("plugins", f"cannot import {name!r} ({exc})") from None
+        except Exception as exc:  # "" or ".rel" (ValueError, TypeError), a broken plugin
+            detail = " ".join(str(exc).split()) or "no message"
+            raise field_error("plugins", f"cannot import {name!r} "
+                                         f"({type(exc).__name__}: {detail})") from None
+
+
+def _positive(name: str, value, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise field_error(name, f"must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+def _one_of(name: str, value: str, allowed) -> None:
+    if value not in allowed:
+        raise field_error(name, f"{value!r} is not allowed; choose one of {', '.join(sorted(allowed))}")
+
+
+def resolve_and_validate(c: ExperimentConfig) -> None:
+    """Range checks and cross-field checks, and the one place a config is changed: the
+    partition's, model's and algorithm's parameters are replaced by their resolved form
+    (defaults filled in), so the config and the results file say what actually ran."""
+    from .. import algorithms, models
+    from ..data import DATASETS, check_dataset_options, partition_params
+
+    for name, value in (("rounds", c.rounds), ("clients.num", c.clients.num),
+                        ("clients.per_round", c.clients.per_round),
+                        ("train.local_epochs", c.train.local_epochs),
+                        ("train.batch_size", c.train.batch_size), ("train.lr", c.train.lr),
+                        ("train.lr_decay", c.train.lr_decay), ("train.global_lr", c.train.global_lr),
+                        ("eval.every", c.eval.every)):
+        _positive(name, value)
+    _positive("eval.batch_size", c.eval.batch_size, allow_zero=True)
+    for name, value in (("train.weight_decay", c.train.weight_decay),
+                        ("train.clip_norm", c.train.clip_norm), ("system.threads", c.system.threads),
+                        ("data.crop_padding", c.data.crop_padding),
+                        ("data.public_size", c.data.public_size),
+                        ("system.state_memory_mb", c.system.state_memory_mb),
+                        ("system.checkpoint_every", c.system.checkpoint_every)):
+        _positive(name, value, allow_zero=True)
+    _check_fixed(c, "")  # finite numbers, integers in range, no control characters
+    if c.clients.per_round > c.clients.num:
+        raise field_error("clients.per_round", f"{c.clients.per_round} exceeds clients.num = {c.clients.num}")
+    _one_of("data.dataset", c.data.dataset, DATASETS)
+    _validate_device(c.system.device)
+    _one_of("system.precision", c.system.precision, PRECISIONS)
+    _one_of("data.public_from", c.data.public_from, {"train", "test"})
+    _validate_skew(c)
+    _validate_modality(c)
+    _validate_probes(c)
+    c.partition.params = partition_params(c.partition.kind, c.partition.params)
+    check_dataset_options(c.data.dataset, c.data.options)
+    _validate_data_options(c)
+    # Resolved = every parameter written out, so the results file says what actually ran.
+    c.model.options = models.check_options(c.model.name, c.model.options)
+    # What the kind's and the model's own checks let through (NaN, 10**30): algorithm
+    # parameters are checked by algorithms.build, before their Params class sees them.
+    check_scalar("partition", c.partition.params)
+    check_scalar("model", c.model.options)
+    c.algorithm.params = algorithms.resolved_params(c.algorithm.name, c.algorithm.params,
+                                                    c.model.options)
+    _validate_paths(c)
+
+
+def _check_fixed(obj, prefix: str) -> None:
+    """``check_scalar`` on every fixed field of ``obj`` and its sections (open sections'
+    extra keys are checked with what they belong to)."""
+    open_field = OPEN_SECTIONS.get(prefix.rstrip("."))
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            _check_fixed(value, f"{f.name}.")
+        elif f.name != open_field:
+            check_scalar(prefix + f.name, value)
+
+
+def _validate_paths(c: ExperimentConfig) -> None:
+    """``name`` goes into file names; ``output`` must format to a file path that a file
+    system can create (one component at most 255 bytes); ``system.state_dir``, when it
+    exists, must be a directory (client state spills there mid-run)."""
+    if not c.name:
+        raise field_error("name", "must not be empty (it names the run and its results file)")
+    if "/" in c.name:
+        raise field_error("name", f"must not contain '/' (it goes into file names through {{name}}), "
+                                  f"got {c.name!r}")
+    if not c.output:
+        raise field_error("output", "must not be empty; give a results file path, e.g. "
+                                    "runs/{name}-{algorithm}-seed{seed}.h5")
+    try:
+        path = c.output.format(**c.placeholders())
+    except (KeyError, IndexError, ValueError, AttributeError, TypeError) as exc:
+        raise field_error("output", f"bad placeholder {exc}; allowed: {{name}} {{algorithm}} "
+                                    f"{{dataset}} {{seed}}") from None
+    if path.endswith("/") or Path(path).name in ("", ".", ".."):
+        raise field_error("output", f"{path!r} names a directory; give a results file path in it, "
+                                    f"e.g. {path.rstrip('/') or '.'}/{{name}}.h5")
+    for part in Path(path).parts:
+        if len(part.encode()) > NAME_MAX:
+            raise field_error("output", f"file name {part[:40]}... is {len(part.encode())} bytes, "
+                                        f"more than the {NAME_MAX} a file system takes (shorten "
+                                        f"name or output)")
+    state_dir = c.system.state_dir
+    if state_dir and Path(state_dir).exists() and not Path(state_dir).is_dir():
+        raise field_error("system.state_dir", f"{state_dir} exists and is not a directory")
+
+
+# Least value of a dataset's integer option (counts and sizes), when not 1.
+_DATA_OPTION_LEAST = {"num_classes": 2}
+
+
+def _validate_data_options(c: ExperimentConfig) -> None:
+    """Dataset options (data.<option>) by the type of the loader's default: counts and
+    sizes integers >= 1, fractions finite numbers, folders strings. The loader checks
+    them again (ranges of its own, e.g. shakespeare's test_fraction in (0, 1)); here a
+    wrong type fails before any MPI work."""
+    import inspect
+
+    from ..data import DATASETS
+
+    parameters = inspect.signature(DATASETS[c.data.dataset].load).parameters
+    for key, value in c.data.options.items():
+        name, default = f"data.{key}", parameters[key].default
+        if isinstance(default, int) and not isinstance(default, bool):
+            least = _DATA_OPTION_LEAST.get(key, 1)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise field_error(name, f"must be an integer >= {least}, got {value!r}")
+        elif isinstance(default, float):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise field_error(name, f"expected a number, got {value!r}")
+        elif default is None or isinstance(default, str):
+            if not isinstance(value, str):
+                raise field_error(name, f"expected a string (a folder path), got {value!r}")
+        check_scalar(name, value)
+
+
+def _validate_skew(c: ExperimentConfig) -> None:
+    """Feature skew and the dynamic population: ranges and the fields they need together."""
+    p, cl = c.partition, c.clients
+    for name, value in (("partition.noise", p.noise), ("clients.replace_every", cl.replace_every)):
+        _positive(name, value, allow_zero=True)
+    for name, value in (("partition.brightness", p.brightness),
+                        ("partition.saturation", p.saturation), ("clients.replace_prob", cl.replace_prob)):
+        if not 0 <= value <= 1:
+            raise field_error(name, f"must be in [0, 1], got {value}")
+    _one_of("partition.noise_mode", p.noise_mode, {"level", "space"})
+    if (cl.replace_prob > 0) != (cl.replace_every > 0):
+        raise field_error("clients.replace_prob", "a dynamic population needs both clients.replace_prob "
+                          "> 0 and clients.replace_every > 0 (rounds between replacements)")
+
+
+PROBES = ("linear", "finetune", "spectrum")
+PRECISIONS = ("fp32", "tf32", "bf16")
+
+
+def _validate_probes(c: ExperimentConfig) -> None:
+    """Probes of a self-supervised encoder: known names, sane cadence and fractions."""
+    from .. import algorithms
+
+    e = c.eval
+    for probe in e.probes:
+        _one_of("eval.probes", probe, PROBES)
+    _positive("eval.probe_every", e.probe_every, allow_zero=True)
+    for name in ("eval.linear_epochs", "eval.finetune_epochs"):
+        _positive(name, getattr(e, name.split(".")[1]))
+    if not e.finetune_fractions or not all(0 < f <= 1 for f in e.finetune_fractions):
+        raise field_error("eval.finetune_fractions",
+                          f"must be fractions in (0, 1], got {e.finetune_fractions}")
+    method = algorithms.REGISTRY.get(c.algorithm.name)
+    if e.local_spectra and "spectrum" not in e.probes:
+        raise field_error("eval.local_spectra", 'needs "spectrum" in eval.probes (local spectra are '
+                          'taken on probe rounds)')
+    if e.probes and method is not None and method.supervised:
+        raise field_error("eval.probes", f"probe a self-supervised encoder; algorithm "
+                          f"{c.algorithm.name!r} trains a classifier (its test_acc is the measure)")
+
+
+def _validate_modality(c: ExperimentConfig) -> None:
+    """The model takes the dataset's modality (text: the LSTM, tabular features: the MLP,
+    images: the rest), and image transforms go with images only. The modality is known
+    without loading (an arrays file's is read from its header), after the options are
+    checked, so a misspelt option is named before the dataset looks at its files."""
+    from ..data import check_dataset_options, dataset_modality
+    from ..models import check_model_for_data
+
+    check_dataset_options(c.data.dataset, c.data.options)
+    modality = dataset_modality(c.data.dataset, c.data.data_dir, c.data.options)
+    check_model_for_data(c.model.name, modality)
+    if modality == "image":
+        return
+    for name, value in (("data.augment", c.data.augment), ("partition.noise", c.partition.noise),
+                        ("partition.brightness", c.partition.brightness),
+                        ("partition.saturation", c.partition.saturation)):
+        if value:
+            raise field_error(name, f"is an image transform; dataset {c.data.dataset!r} is {modality}")
+
+
+def _validate_device(device: str) -> None:
+    if device in ("auto", "cpu", "cuda") or (device.startswith("cuda:") and device[5:].isdigit()):
+        return
+    raise field_error("system.device", f"{device!r} is not allowed; choose auto, cpu, cuda or cuda:N")
