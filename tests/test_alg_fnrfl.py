@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from fedmpi import config as cfg
-from fedmpi.algorithms import ClientTask, build
+from fedmpi.algorithms import ClientTask, Upload, build
 from fedmpi.algorithms import feature_norms as fn
 from fedmpi.algorithms.base import ClientData
 from fedmpi.errors import UsageError
@@ -240,6 +240,28 @@ def test_base_params_resolve_and_round_trip_through_toml():
 def test_traffic_is_declared_per_phase():
     alg = build("fnrfl", {"num_classes": 10})
     assert alg.traffic(1000, "train") == (1000, 1011) and alg.traffic(1000, "refine") == (10, 1000)
+
+
+def test_sums_and_rows_are_declared_per_phase():
+    """Each phase declares what it really sends, and sends just that (the runtime sums and
+    gathers per phase); without a phase, the union: the file's /clients columns."""
+    alg = build("fnrfl", {"base": "scaffold", "num_classes": 3})
+    d = 7
+    assert alg.contribution_sizes(d, "train") == {"delta": d, "weight": 1, "delta_c": d}
+    assert alg.contribution_sizes(d, "refine") == {"fnr_refined": d}
+    assert alg.contribution_sizes(d) == {"delta": d, "weight": 1, "delta_c": d, "fnr_refined": d}
+    assert alg.gather_sizes(d, "train") == {"fnr_feature_norm": 3, "fnr_public_acc": 1}
+    assert alg.gather_sizes(d, "refine") == {"fnr_penalty": 1}
+    assert alg.gather_sizes(d) == {"fnr_feature_norm": 3, "fnr_public_acc": 1, "fnr_penalty": 1}
+    trained = Upload(delta=torch.ones(d), num_samples=2, loss=0.0, steps=1,
+                     extras={"delta_c": torch.ones(d), "fnr_feature_norm": torch.ones(3),
+                             "fnr_public_acc": torch.ones(1)})
+    refined = Upload(delta=torch.ones(d), num_samples=2, loss=0.0, steps=1,
+                     extras={"fnr_refined": 2 * torch.ones(d), "fnr_penalty": torch.zeros(1)})
+    for upload, phase in ((trained, "train"), (refined, "refine")):
+        out = alg.contribution(upload)
+        assert {k: v.numel() for k, v in out.items()} == alg.contribution_sizes(d, phase)
+        assert set(alg.gather(upload)) == set(alg.gather_sizes(d, phase))
 
 
 TINY_FNR = dict(data={"public_size": 100}, algorithm={"name": "fnrfl"}, rounds=2)

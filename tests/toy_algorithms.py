@@ -45,8 +45,8 @@ class ToyProbe(Algorithm):
     def client_state_sizes(self, d):
         return {"visits": 1, "last": d}
 
-    def gather_sizes(self, d):
-        return {"visits": 1, "score": 1}
+    def gather_sizes(self, d, phase=None):
+        return {} if phase == "refine" else {"visits": 1, "score": 1}   # refine gathers nothing
 
     def init_server_state(self, x):
         return {"x": x.clone(), "m": torch.zeros_like(x), "selected": torch.zeros(0, dtype=torch.int64)}

@@ -9,8 +9,8 @@ import dataclasses
 
 from ..config import check_scalar
 from ..errors import UsageError
-from .base import (REGISTRY, Algorithm, ClientTask, RoundContext, Upload, default_of,
-                   params_table, register)
+from .base import REGISTRY, Algorithm, ClientTask, RoundContext, Upload, register
+from .params import default_of, params_table
 
 
 def _import_all() -> None:

@@ -1,6 +1,7 @@
 """The algorithm protocol: what an FL method fills in; the runtime owns the loop.
 
-A round (fedmpi.runtime.experiment) is one or more *phases*; each phase is the same pattern::
+A round (fedmpi.runtime: the engine in experiment.py, a phase in phase.py) is one or more
+*phases*; each phase is the same pattern::
 
     server:  participants = phase_participants(state, phase, sampled)
              payload      = payload(state, ctx)                 -> Bcast to workers
@@ -23,26 +24,27 @@ How each shape of method fits (the next algorithms are written against this):
   norms): ``gather_sizes`` declares them; ``server_update`` receives them per client in
   client-id order.
 - multi-phase rounds (FNR-FL: train, then refine the worst clients): ``phases`` names
-  them; ``phase_participants`` picks who takes part in each from the server state.
+  them; ``phase_participants`` picks who takes part in each from the server state, and
+  ``contribution_sizes(d, phase)`` / ``gather_sizes(d, phase)`` say what each sends.
 - server state (momentum, Adam moments, control variate c): ``init_server_state`` returns
   named tensors next to the global model ``x``; checkpointing saves the dict as it is.
-- client weights that depend on every pair of updates (FedU^2's EUA: min-norm weights
-  from <Delta_k, Delta_l>): ``gram_weighted`` switches the sum of ``delta`` to
-  fedmpi.runtime.gram, which computes the inner products where the updates are, asks
-  ``gram_coefficients`` for c_k on the server and hands ``server_update``
-  sums["delta"] = sum_k c_k Delta_k.
+- client weights that depend on every pair of updates (FedU^2's EUA): the
+  ``GramAggregation`` mixin (fedmpi.algorithms.mixins).
+- self-supervised methods (no labels, scored by kNN on the encoder): the
+  ``SelfSupervised`` mixin (fedmpi.algorithms.mixins).
 
 tests/test_protocol.py exercises all five with a toy algorithm on quadratic clients.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Iterator
 
 import numpy as np
 import torch
+
+from .params import Params
 
 
 @dataclass(frozen=True)
@@ -115,22 +117,25 @@ class Upload:
     state: dict[str, torch.Tensor] | None = None   # new persistent client state
 
 
-@dataclass(frozen=True)
-class Params:
-    """Base of every algorithm's frozen parameter dataclass."""
-
-
 class Algorithm:
-    """Base class: FedAvg behaviour in every hook, so a method overrides only what differs."""
+    """Base class: FedAvg behaviour in every hook, so a method overrides only what differs.
+
+    Every method opens with the same declaration, a deliberate parallel::
+
+        @register
+        class Name(Algorithm):          # or the method it extends, or a mixin first
+            name = "..."; paper = "..."
+            @dataclass(frozen=True)
+            class Params(Params):
+                x: float = param(0.1, ">= 0", "what x is")
+    """
 
     name: ClassVar[str] = ""
     paper: ClassVar[str] = ""
     Params: ClassVar[type] = Params
     phases: ClassVar[tuple[str, ...]] = ("train",)
     diagnostic_fields: ClassVar[tuple[str, ...]] = ()   # names ``diagnostics`` returns
-    # False: a representation learner without a classifier; the runtime then scores the
-    # global model by kNN accuracy of its encoder (``fedmpi.ssl_eval``) instead.
-    supervised: ClassVar[bool] = True
+    supervised: ClassVar[bool] = True   # False: the ``SelfSupervised`` mixin
 
     def __init__(self, params: Params | None = None):
         self.params = params if params is not None else self.Params()
@@ -143,16 +148,20 @@ class Algorithm:
     def client_state_sizes(self, d: int) -> dict[str, int]:
         return {}
 
-    def gather_sizes(self, d: int) -> dict[str, int]:
+    def gather_sizes(self, d: int, phase: str | None = None) -> dict[str, int]:
+        """Per-client values ``gather`` returns in ``phase``; None: in any phase (the
+        union, a key missing from ``gather`` in a phase is NaN there)."""
         return {}
 
-    def contribution_sizes(self, d: int) -> dict[str, int]:
+    def contribution_sizes(self, d: int, phase: str | None = None) -> dict[str, int]:
+        """Vectors ``contribution`` returns in ``phase``, summed over the clients; None: in
+        any phase (the union, zero-filled where a phase has none)."""
         return {"delta": d, "weight": 1}
 
     def build_model(self, build, name: str, in_channels: int, num_classes: int, image_size: int,
                     options: dict):
         """The nn.Module this method trains; ``build`` is the model registry's
-        ``build_model``. Self-supervised methods wrap the backbone in their heads."""
+        ``build_model`` (the ``SelfSupervised`` mixin wraps the backbone in its heads)."""
         return build(name, in_channels, num_classes, image_size, **options)
 
     def check_model(self, model_options: dict) -> None:
@@ -171,21 +180,15 @@ class Algorithm:
 
     def server_update(self, state, sums: dict[str, torch.Tensor],
                       gathered: dict[str, np.ndarray], ctx: RoundContext) -> None:
-        """x <- x + eta_g * sum_i n_i Delta_i / sum_i n_i (n_i-weighted)."""
+        """x <- x + eta_g * sum_i w_i Delta_i / sum_i w_i, w_i = n_i (``contribution``) or
+        1 (``server_opt.count_once``, the plain mean)."""
         # host sync: server, once per round
         state["x"].add_(sums["delta"], alpha=ctx.global_lr / float(sums["weight"]))
 
     def gram_weighted(self, phase: str) -> bool:
-        """True: in ``phase`` the uploads' ``delta`` are not summed by ``contribution``;
-        the runtime computes the K x K inner products of the participants' Delta_k
-        (no rank receives K d values), calls ``gram_coefficients`` on the server and puts
-        sum_k c_k Delta_k in sums["delta"]. ``contribution_sizes`` must then omit "delta"."""
+        """True in a phase whose ``delta`` the runtime sums with pairwise weights: the
+        ``GramAggregation`` mixin."""
         return False
-
-    def gram_coefficients(self, inner: np.ndarray, ctx: RoundContext) -> np.ndarray:
-        """c_k (float64, K) from inner[k, l] = <Delta_k, Delta_l> (float64), participants
-        in ascending client id."""
-        raise NotImplementedError
 
     def eval_params(self, state) -> torch.Tensor:
         return state["x"]
@@ -216,12 +219,3 @@ def register(cls: type[Algorithm]) -> type[Algorithm]:
     """Class decorator: make an algorithm selectable by ``algorithm.name``."""
     REGISTRY[cls.name] = cls
     return cls
-
-
-def default_of(f: dataclasses.Field):
-    return f.default_factory() if f.default is dataclasses.MISSING else f.default
-
-
-def params_table(cls: type[Algorithm]) -> list[tuple[str, Any, str]]:
-    """(name, default, one-line doc) of each parameter, from the field metadata ``doc``."""
-    return [(f.name, default_of(f), f.metadata.get("doc", "")) for f in dataclasses.fields(cls.Params)]

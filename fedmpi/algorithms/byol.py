@@ -20,7 +20,7 @@ convolutions (an MLP backbone) fall back to every >= 2-D encoder weight.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -28,6 +28,7 @@ from ..errors import UsageError
 from ..flat import FlatModel
 from . import local_sgd
 from .fedsimsiam import PredictorParams
+from .params import param
 from .ssl_losses import byol_head, ema_update, on_projections
 
 
@@ -35,13 +36,8 @@ from .ssl_losses import byol_head, ema_update, on_projections
 class BYOLParams(PredictorParams):
     """PredictorParams + the target's EMA rate."""
 
-    tau_ema: float = field(default=0.99, metadata={
-        "doc": "target EMA rate: xi <- tau xi + (1 - tau) theta after every local step"})
-
-    def __post_init__(self):
-        super().__post_init__()
-        if isinstance(self.tau_ema, bool) or not 0 <= self.tau_ema <= 1:
-            raise UsageError(f"algorithm.tau_ema={self.tau_ema!r}: must be in [0, 1]")
+    tau_ema: float = param(0.99, "[0, 1]",
+                           "target EMA rate: xi <- tau xi + (1 - tau) theta after every local step")
 
 
 def predictor_size(params: PredictorParams) -> int:

@@ -20,14 +20,14 @@ with the clients started at x_hat instead of x.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from ..errors import UsageError
 from . import local_sgd, server_opt
-from .base import Algorithm, Params, register
+from .base import Algorithm, register
 from .fedprox import proximal
+from .params import Params, param
 
 PROX_FORMS = ("paper", "repo")
 
@@ -39,21 +39,12 @@ class FedACG(Algorithm):
 
     @dataclass(frozen=True)
     class Params(Params):
-        lam: float = field(default=0.85, metadata={
-            "doc": "lambda: global momentum and lookahead x + lambda m (paper/repo 0.85)"})
-        beta: float = field(default=0.01, metadata={
-            "doc": "prox weight beta toward the lookahead (paper 0.01; repo 0.001 with prox_form='repo')"})
-        prox_form: str = field(default="paper", metadata={
-            "doc": "'paper': (beta/2)||w - x_hat||^2; 'repo': beta ||w - x_hat||^2 (un-halved w_prox)"})
-
-        def __post_init__(self):
-            if not 0 <= self.lam < 1:
-                raise UsageError(f"config field algorithm.lam: must be in [0, 1), got {self.lam}")
-            if self.beta < 0:
-                raise UsageError(f"config field algorithm.beta: must be >= 0, got {self.beta}")
-            if self.prox_form not in PROX_FORMS:
-                raise UsageError(f"config field algorithm.prox_form: {self.prox_form!r} is not "
-                                 f"allowed; choose one of {', '.join(PROX_FORMS)}")
+        lam: float = param(0.85, "[0, 1)",
+                           "lambda: global momentum and lookahead x + lambda m (paper/repo 0.85)")
+        beta: float = param(0.01, ">= 0", "prox weight beta toward the lookahead "
+                                          "(paper 0.01; repo 0.001 with prox_form='repo')")
+        prox_form: str = param("paper", PROX_FORMS, "'paper': (beta/2)||w - x_hat||^2; "
+                                                    "'repo': beta ||w - x_hat||^2 (un-halved w_prox)")
 
     def init_server_state(self, x):
         return {"x": x.clone(), "m": torch.zeros_like(x)}
@@ -69,9 +60,7 @@ class FedACG(Algorithm):
         return local_sgd.local_update(task, x_hat, ctx, correction)
 
     def contribution(self, upload):
-        """Unweighted: every participant counts once (repo's plain mean)."""
-        one = torch.ones(1, dtype=upload.delta.dtype, device=upload.delta.device)
-        return {"delta": upload.delta, "weight": one}
+        return server_opt.count_once(upload)   # the repo's plain mean over S_t
 
     def server_update(self, state, sums, gathered, ctx):
         m = server_opt.momentum(state["m"], server_opt.mean_update(sums), self.params.lam)

@@ -15,14 +15,14 @@ v0 >= tau^2). FL-Simulator uses tau 0.01, v0 0, eta_g 0.1 (FedMIM's FedAdam base
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from ..errors import UsageError
 from . import server_opt
-from .base import Params, register
+from .base import register
 from .fedavg import FedAvg
+from .params import Params, param
 
 
 @register
@@ -32,27 +32,14 @@ class FedAdam(FedAvg):
 
     @dataclass(frozen=True)
     class Params(Params):
-        b1: float = field(default=0.9, metadata={"doc": "first-moment decay beta_1"})
-        b2: float = field(default=0.99, metadata={"doc": "second-moment decay beta_2"})
-        tau: float = field(default=1e-3, metadata={
-            "doc": "adaptivity tau added to sqrt(v) (FedACG repo 1e-3; FL-Simulator 0.01)"})
-        v0: float = field(default=1e-6, metadata={
-            "doc": "initial second moment v^0 (tau^2 at the default tau, FedACG repo; FL-Simulator 0)"})
-        eta_g: float = field(default=0.01, metadata={
-            "doc": "server step eta_g (FedACG README 0.01; FL-Simulator/FedMIM 0.1); "
-                   "train.global_lr multiplies it, keep that 1"})
-
-        def __post_init__(self):
-            for name in ("b1", "b2"):
-                value = getattr(self, name)
-                if not 0 <= value < 1:
-                    raise UsageError(f"config field algorithm.{name}: must be in [0, 1), got {value}")
-            if self.tau <= 0:
-                raise UsageError(f"config field algorithm.tau: must be > 0, got {self.tau}")
-            if self.v0 < 0:
-                raise UsageError(f"config field algorithm.v0: must be >= 0, got {self.v0}")
-            if self.eta_g <= 0:
-                raise UsageError(f"config field algorithm.eta_g: must be > 0, got {self.eta_g}")
+        b1: float = param(0.9, "[0, 1)", "first-moment decay beta_1")
+        b2: float = param(0.99, "[0, 1)", "second-moment decay beta_2")
+        tau: float = param(1e-3, "> 0",
+                           "adaptivity tau added to sqrt(v) (FedACG repo 1e-3; FL-Simulator 0.01)")
+        v0: float = param(1e-6, ">= 0", "initial second moment v^0 (tau^2 at the default tau, "
+                                        "FedACG repo; FL-Simulator 0)")
+        eta_g: float = param(0.01, "> 0", "server step eta_g (FedACG README 0.01; FL-Simulator/"
+                                          "FedMIM 0.1); train.global_lr multiplies it, keep that 1")
 
     def init_server_state(self, x):
         return {"x": x.clone(), "m": torch.zeros_like(x), "v": torch.full_like(x, self.params.v0)}

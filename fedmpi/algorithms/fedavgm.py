@@ -12,14 +12,14 @@ Messages d down, d up; server state v (d). beta = 0 is FedAvg.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from ..errors import UsageError
 from . import server_opt
-from .base import Params, register
+from .base import register
 from .fedavg import FedAvg
+from .params import Params, param
 
 
 @register
@@ -29,12 +29,8 @@ class FedAvgM(FedAvg):
 
     @dataclass(frozen=True)
     class Params(Params):
-        beta: float = field(default=0.9, metadata={
-            "doc": "server momentum beta (0.9; the FedACG repo's FedAvgM baseline uses 0.4)"})
-
-        def __post_init__(self):
-            if not 0 <= self.beta < 1:
-                raise UsageError(f"config field algorithm.beta: must be in [0, 1), got {self.beta}")
+        beta: float = param(0.9, "[0, 1)",
+                            "server momentum beta (0.9; the FedACG repo's FedAvgM baseline uses 0.4)")
 
     def init_server_state(self, x):
         return {"x": x.clone(), "v": torch.zeros_like(x)}

@@ -22,23 +22,22 @@ import torch
 
 from .base import Algorithm, Upload, register
 from .byol import BYOLParams, byol_train, predictor_size, target_model
-from .fedsimsiam import build_predictor_model
+from .mixins import SelfSupervised
 from .ssl_losses import byol_head
 
 
 @register
-class FedBYOL(Algorithm):
+class FedBYOL(SelfSupervised, Algorithm):
     name = "fedbyol"
     paper = "Grill et al. 2020, arXiv:2006.07733 (federated: EasyFL fedssl)"
-    supervised = False
     Params = BYOLParams
 
     def __init__(self, params=None):
         super().__init__(params)
         self._target = None   # (the worker's flat model, its target network): a cache only
 
-    def build_model(self, build, name, in_channels, num_classes, image_size, options):
-        return build_predictor_model(self.params, name, in_channels, image_size, options)
+    def predictor(self):
+        return True
 
     def target_size(self, d: int) -> int:
         """|xi| = |f| + |g|: the flat prefix before the predictor."""

@@ -13,19 +13,14 @@ Messages: 2d down (x, m), d up. The server keeps Dbar and its mean step count K
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from ..errors import UsageError
 from . import local_sgd, momentum
-from .base import Params, register
+from .base import register
 from .fedavg import FedAvg
-
-
-def check_fraction(name: str, value: float) -> None:
-    if not 0.0 <= value <= 1.0:
-        raise UsageError(f"config field algorithm.{name}: must be in [0, 1], got {value}")
+from .params import Params, param
 
 
 @register
@@ -35,11 +30,8 @@ class FedCM(FedAvg):
 
     @dataclass(frozen=True)
     class Params(Params):
-        alpha: float = field(default=0.1, metadata={
-            "doc": "weight of the fresh gradient, v = alpha g + (1 - alpha) m (FL-Simulator 0.1)"})
-
-        def __post_init__(self):
-            check_fraction("alpha", self.alpha)
+        alpha: float = param(0.1, "[0, 1]", "weight of the fresh gradient, "
+                                            "v = alpha g + (1 - alpha) m (FL-Simulator 0.1)")
 
     def traffic(self, d, phase):
         return 2 * d, d

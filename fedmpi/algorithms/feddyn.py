@@ -20,13 +20,13 @@ own, so ``train.global_lr`` is not used.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from ..errors import UsageError
 from . import local_sgd
-from .base import Algorithm, Params, register
+from .base import Algorithm, register
+from .params import Params, param
 
 
 def dynamic_regulariser(alpha: float, grad_l: torch.Tensor, anchor: torch.Tensor):
@@ -44,17 +44,12 @@ class FedDyn(Algorithm):
 
     @dataclass(frozen=True)
     class Params(Params):
-        alpha: float = field(default=0.1, metadata={
-            "doc": "dynamic regularisation weight alpha (FL-Simulator, FedACG: 0.1)"})
-
-        def __post_init__(self):
-            if not self.alpha > 0:
-                raise UsageError(f"config field algorithm.alpha: must be > 0, got {self.alpha}")
+        alpha: float = param(0.1, "> 0", "dynamic regularisation weight alpha (FL-Simulator, FedACG: 0.1)")
 
     def client_state_sizes(self, d):
         return {"grad_l": d}
 
-    def contribution_sizes(self, d):
+    def contribution_sizes(self, d, phase=None):
         return {"delta": d}
 
     def init_server_state(self, x):

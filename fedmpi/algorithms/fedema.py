@@ -20,14 +20,14 @@ last_round (1), mu (1: the mu_k this update started from, 0 = global).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from ..errors import UsageError
 from .base import register
 from .byol import BYOLParams, encoder_divergence
 from .fedbyol import FedBYOL
+from .params import param
 
 # lambda_k = tau / max(delta_k, _TINY): a first training that did not move the encoder
 # (lr = 0) must not store inf or nan.
@@ -41,13 +41,8 @@ class FedEMA(FedBYOL):
 
     @dataclass(frozen=True)
     class Params(BYOLParams):
-        tau: float = field(default=0.7, metadata={
-            "doc": "auto-scaler target: lambda_k = tau / delta_k after the first training"})
-
-        def __post_init__(self):
-            super().__post_init__()
-            if isinstance(self.tau, bool) or not self.tau > 0:
-                raise UsageError(f"algorithm.tau={self.tau!r}: must be > 0")
+        tau: float = param(0.7, "> 0",
+                           "auto-scaler target: lambda_k = tau / delta_k after the first training")
 
     def client_state_sizes(self, d):
         return {**super().client_state_sizes(d), "online": d, "divergence": 1, "lam": 1,

@@ -20,14 +20,14 @@ of the last two iterates (x^{t+1} + x^t)/2 while training continues from x^{t+1}
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from ..errors import UsageError
 from . import server_opt
-from .base import Params, register
+from .base import register
 from .fedavg import FedAvg
+from .params import Params, param
 
 
 @register
@@ -38,21 +38,16 @@ class FedExP(FedAvg):
 
     @dataclass(frozen=True)
     class Params(Params):
-        eps: float = field(default=1e-3, metadata={
-            "doc": "eps in the step's denominator (code: 1e-3 CIFAR, 0.1 EMNIST)"})
-        eps_per_client: bool = field(default=False, metadata={
-            "doc": "official code: use S*eps (S = participants this round) instead of eps"})
-        eps_decay: bool = field(default=False, metadata={
-            "doc": "official code: eps^t = eps * lr_decay^(2t), shrinking like eta_l^2"})
-        average_iterates: bool = field(default=False, metadata={
-            "doc": "official code: evaluate (x^{t+1} + x^t)/2; training continues from x^{t+1}"})
+        eps: float = param(1e-3, "> 0", "eps in the step's denominator (code: 1e-3 CIFAR, 0.1 EMNIST)")
+        eps_per_client: bool = param(False, doc="official code: use S*eps (S = participants "
+                                                "this round) instead of eps")
+        eps_decay: bool = param(False, doc="official code: eps^t = eps * lr_decay^(2t), "
+                                           "shrinking like eta_l^2")
+        average_iterates: bool = param(False, doc="official code: evaluate (x^{t+1} + x^t)/2; "
+                                                  "training continues from x^{t+1}")
 
-        def __post_init__(self):
-            if self.eps <= 0:
-                raise UsageError(f"config field algorithm.eps: must be > 0, got {self.eps}")
-
-    def contribution_sizes(self, d):
-        return {**super().contribution_sizes(d), "sq_norm": 1}
+    def contribution_sizes(self, d, phase=None):
+        return {**super().contribution_sizes(d, phase), "sq_norm": 1}
 
     def contribution(self, upload):
         out = super().contribution(upload)

@@ -18,22 +18,22 @@ models at eta_g = 1. The server keeps J+1 snapshots and sends the J displacement
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from ..errors import UsageError
-from . import local_sgd
-from .base import Algorithm, Params, Upload, register
+from . import local_sgd, server_opt
+from .base import Algorithm, Upload, register
+from .params import Params, param, param_error
 
 
 def _float_tuple(name: str, value) -> tuple[float, ...]:
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
-        raise UsageError(f"config field algorithm.{name}: must be numbers, got {list(value)}")
+        raise param_error(name, f"must be numbers, got {list(value)}")
     values = tuple(float(v) for v in value)  # host sync: none, config time (numbers)
     if not all(math.isfinite(v) for v in values):
-        raise UsageError(f"config field algorithm.{name}: must be finite numbers, got {list(value)}")
+        raise param_error(name, f"must be finite numbers, got {list(value)}")
     return values
 
 
@@ -45,41 +45,31 @@ class FedMIM(Algorithm):
 
     @dataclass(frozen=True)
     class Params(Params):
-        J: int = field(default=2, metadata={"doc": "J, number of past global displacements used"})
-        alpha: tuple = field(default=(0.6, 0.3), metadata={
-            "doc": "alpha_1..alpha_J inertia weights, newest first; sum < 1 (paper best (0.6, 0.3))"})
-        beta: tuple = field(default=(0.9, 0.1), metadata={
-            "doc": "beta_1..beta_J weights of the gradient's lookahead point, newest first "
-                   "(paper best (0.9, 0.1))"})
-        traffic_count: str = field(default="honest", metadata={
-            "doc": "'honest': (1+J)d down (the J displacements travel); "
-                   "'paper': d down, as the paper counts"})
+        J: int = param(2, ">= 1", "J, number of past global displacements used")
+        alpha: tuple = param((0.6, 0.3), doc="alpha_1..alpha_J inertia weights, newest first; "
+                                             "sum < 1 (paper best (0.6, 0.3))")
+        beta: tuple = param((0.9, 0.1), doc="beta_1..beta_J weights of the gradient's lookahead "
+                                            "point, newest first (paper best (0.9, 0.1))")
+        traffic_count: str = param("honest", ("honest", "paper"),
+                                   "'honest': (1+J)d down (the J displacements travel); "
+                                   "'paper': d down, as the paper counts")
 
         def __post_init__(self):
-            if self.J < 1:
-                raise UsageError(f"config field algorithm.J: must be >= 1, got {self.J}")
+            super().__post_init__()
             for name in ("alpha", "beta"):
                 values = _float_tuple(name, getattr(self, name))
                 if len(values) != self.J:
-                    raise UsageError(f"config field algorithm.{name}: needs J = {self.J} values, "
-                                     f"got {len(values)}")
+                    raise param_error(name, f"needs J = {self.J} values, got {len(values)}")
                 object.__setattr__(self, name, values)
             if sum(self.alpha) >= 1:
-                raise UsageError("config field algorithm.alpha: sum must be < 1, "
-                                 f"got {sum(self.alpha)}")
-            if self.traffic_count not in ("honest", "paper"):
-                raise UsageError(f"config field algorithm.traffic_count: {self.traffic_count!r} is not "
-                                 "allowed; choose honest or paper")
+                raise param_error("alpha", f"sum must be < 1, got {sum(self.alpha)}")
 
     def traffic(self, d, phase):
         down = d if self.params.traffic_count == "paper" else (1 + self.params.J) * d
         return down, d
 
-    def gather_sizes(self, d):
+    def gather_sizes(self, d, phase=None):
         return {"delta_sq": 1}
-
-    def contribution_sizes(self, d):
-        return {"delta": d}  # unweighted: the server takes the plain mean over S_t
 
     def init_server_state(self, x):
         # history[j] = x^{t-1-j}; all x^0 at the start, so the missing displacements are 0.
@@ -91,7 +81,7 @@ class FedMIM(Algorithm):
 
     def server_update(self, state, sums, gathered, ctx):
         state["history"] = torch.cat([state["x"][None], state["history"][:-1]])
-        state["x"].add_(sums["delta"], alpha=ctx.global_lr / len(gathered["client"]))
+        super().server_update(state, sums, gathered, ctx)   # the plain mean: weights 1
 
     def diagnostics(self, state, sums, gathered, ctx):
         """(1/S) sum_i ||x_i - xbar||^2 = mean_i ||Delta_i||^2 - ||Dbar||^2 (same start x^t)."""
@@ -113,7 +103,7 @@ class FedMIM(Algorithm):
         return Upload(delta=delta, num_samples=task.data.num_samples, loss=loss, steps=k)
 
     def contribution(self, upload):
-        return {"delta": upload.delta}
+        return server_opt.count_once(upload)   # the plain mean over S_t
 
     def gather(self, upload):
         return {"delta_sq": upload.delta.double().square().sum().reshape(1)}

@@ -26,20 +26,19 @@ show the regulariser is active (NaN with the regulariser off).
 
 from __future__ import annotations
 
-import copy
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..errors import UsageError
 from ..flat import FlatModel
-from . import hyperbolic, local_sgd, momentum
+from . import hyperbolic, local_sgd, momentum, server_opt
 from .base import register
 from .mofedsam import MoFedSAM
 from .normalized import normalized_update
+from .params import param
 from .sam import sam_gradient
 
 
@@ -51,47 +50,28 @@ class FedMRUR(MoFedSAM):
 
     @dataclass(frozen=True)
     class Params(MoFedSAM.Params):
-        rho: float = field(default=0.5, metadata={
-            "doc": "SAM perturbation radius rho (paper 0.5)"})
-        gamma: float = field(default=0.005, metadata={
-            "doc": "weight gamma of the hyperbolic regulariser R"})
-        sigma: float = field(default=1e4, metadata={
-            "doc": "temperature sigma in exp(dL2 / sigma)"})
-        beta: float = field(default=1.0, metadata={
-            "doc": "Lorentz model parameter beta (<a, a>_L = -beta)"})
-        aggregation: str = field(default="normalized", metadata={
-            "doc": "'normalized' (paper) or 'mean' (MoFedSAM's n_i-weighted mean: H-only ablation)"})
-        regularizer: bool = field(default=True, metadata={
-            "doc": "add gamma R to the local loss (false: N-only ablation)"})
-        representation: str = field(default="features", metadata={
-            "doc": "z: 'features' (penultimate, module.features) or 'logits'"})
-
-        def __post_init__(self):
-            super().__post_init__()
-            for name in ("sigma", "beta"):
-                value = getattr(self, name)
-                if not value > 0:
-                    raise UsageError(f"config field algorithm.{name}: must be > 0, got {value}")
-            if self.gamma < 0:
-                raise UsageError(f"config field algorithm.gamma: must be >= 0, got {self.gamma}")
-            for name, allowed in (("aggregation", ("normalized", "mean")),
-                                  ("representation", ("features", "logits"))):
-                if getattr(self, name) not in allowed:
-                    raise UsageError(f"config field algorithm.{name}: must be one of "
-                                     f"{', '.join(allowed)}; got {getattr(self, name)!r}")
+        rho: float = param(0.5, ">= 0", "SAM perturbation radius rho (paper 0.5)")
+        gamma: float = param(0.005, ">= 0", "weight gamma of the hyperbolic regulariser R")
+        sigma: float = param(1e4, "> 0", "temperature sigma in exp(dL2 / sigma)")
+        beta: float = param(1.0, "> 0", "Lorentz model parameter beta (<a, a>_L = -beta)")
+        aggregation: str = param("normalized", ("normalized", "mean"), "'normalized' (paper) or "
+                                 "'mean' (MoFedSAM's n_i-weighted mean: H-only ablation)")
+        regularizer: bool = param(True, doc="add gamma R to the local loss (false: N-only ablation)")
+        representation: str = param("features", ("features", "logits"),
+                                    "z: 'features' (penultimate, module.features) or 'logits'")
 
     def __init__(self, params=None):
         super().__init__(params)
         self._frozen: dict[str, FlatModel] = {}   # device -> the frozen global model G
 
-    def gather_sizes(self, d):
+    def gather_sizes(self, d, phase=None):
         return {"lorentz_dist2": 1}
 
     # ---- server ----
     def contribution(self, upload):
         if self.params.aggregation == "mean":
             return super().contribution(upload)
-        return {"delta": upload.delta, "weight": torch.ones(1, device=upload.delta.device)}
+        return server_opt.count_once(upload)   # the weight is unused: the sum is normalised
 
     def server_update(self, state, sums, gathered, ctx):
         if self.params.aggregation == "mean":
@@ -125,9 +105,7 @@ class FedMRUR(MoFedSAM):
         key = str(task.device)
         frozen = self._frozen.get(key)
         if frozen is None or frozen.layout != task.model.layout:
-            frozen = FlatModel(copy.deepcopy(task.model.module), task.device,
-                               channels_last=task.model.channels_last)
-            frozen.module.eval()  # a fixed target: no dropout noise in z_G
+            frozen = local_sgd.frozen_copy(task.model)   # eval: no dropout noise in z_G
             self._frozen[key] = frozen
         frozen.load(x)
         return frozen

@@ -21,15 +21,15 @@ and mu are not accepted together.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from ..errors import UsageError
 from . import local_sgd
-from .base import Algorithm, Params, register
+from .base import Algorithm, register
 from .fedprox import proximal
+from .params import Params, param, param_error
 
 
 def heavy_ball(rho: float, like: torch.Tensor):
@@ -59,25 +59,22 @@ class FedNova(Algorithm):
 
     @dataclass(frozen=True)
     class Params(Params):
-        rho: float = field(default=0.0, metadata={"doc": "local momentum rho (0 = plain SGD)"})
-        mu: float = field(default=0.0, metadata={"doc": "local proximal weight mu (0 = none)"})
+        rho: float = param(0.0, "[0, 1)", "local momentum rho (0 = plain SGD)")
+        mu: float = param(0.0, ">= 0", "local proximal weight mu (0 = none)")
 
         def __post_init__(self):
-            if not 0 <= self.rho < 1:
-                raise UsageError(f"config field algorithm.rho: must be in [0, 1), got {self.rho}")
-            if self.mu < 0:
-                raise UsageError(f"config field algorithm.mu: must be >= 0, got {self.mu}")
+            super().__post_init__()
             if self.rho and self.mu:
-                raise UsageError("config field algorithm.mu: must be 0 when algorithm.rho > 0 "
-                                 "(a_i is defined for momentum or prox, not both)")
+                raise param_error("mu", "must be 0 when algorithm.rho > 0 "
+                                        "(a_i is defined for momentum or prox, not both)")
 
     def traffic(self, d, phase):
         return d, d + 1
 
-    def gather_sizes(self, d):
+    def gather_sizes(self, d, phase=None):
         return {"a": 1}
 
-    def contribution_sizes(self, d):
+    def contribution_sizes(self, d, phase=None):
         return {"normalized": d, "weight": 1}
 
     def server_update(self, state, sums, gathered, ctx):

@@ -8,12 +8,12 @@ before clipping. Server and messages as FedAvg (d down, d up).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from ..errors import UsageError
 from . import local_sgd
-from .base import Params, register
+from .base import register
 from .fedavg import FedAvg
+from .params import Params, param
 
 
 def proximal(mu: float, anchor):
@@ -30,11 +30,7 @@ class FedProx(FedAvg):
 
     @dataclass(frozen=True)
     class Params(Params):
-        mu: float = field(default=0.01, metadata={"doc": "proximal weight mu (paper grid 0.001-1)"})
-
-        def __post_init__(self):
-            if self.mu < 0:
-                raise UsageError(f"config field algorithm.mu: must be >= 0, got {self.mu}")
+        mu: float = param(0.01, ">= 0", "proximal weight mu (paper grid 0.001-1)")
 
     def local_update(self, task, payload, client_state, ctx):
         x = payload["x"]

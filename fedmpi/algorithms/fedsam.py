@@ -12,18 +12,13 @@ Messages d down, d up; two forward/backward passes per step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from ..errors import UsageError
 from . import local_sgd
-from .base import Params, register
+from .base import register
 from .fedavg import FedAvg
+from .params import Params, param
 from .sam import sam_gradient
-
-
-def check_rho(rho: float) -> None:
-    if rho < 0:
-        raise UsageError(f"config field algorithm.rho: must be >= 0, got {rho}")
 
 
 @register
@@ -33,11 +28,7 @@ class FedSAM(FedAvg):
 
     @dataclass(frozen=True)
     class Params(Params):
-        rho: float = field(default=0.1, metadata={
-            "doc": "SAM perturbation radius rho (FL-Simulator 0.1; 0 = plain SGD)"})
-
-        def __post_init__(self):
-            check_rho(self.rho)
+        rho: float = param(0.1, ">= 0", "SAM perturbation radius rho (FL-Simulator 0.1; 0 = plain SGD)")
 
     def local_update(self, task, payload, client_state, ctx):
         return local_sgd.local_update(task, payload["x"], ctx,

@@ -13,57 +13,33 @@ The global model is scored by the kNN accuracy of its encoder (k = 200, T = 0.1)
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from ..errors import UsageError
-from ..models.ssl import build_ssl_model
-from . import local_sgd
-from .base import Algorithm, Params, register
-from .ssl_losses import on_projections, simclr_head
+from .base import Algorithm, register
+from .mixins import SelfSupervised
+from .params import Params, param
+from .ssl_losses import simclr_head
 
 
 @dataclass(frozen=True)
 class SSLParams(Params):
     """The projection head every self-supervised method here shares."""
 
-    proj_dim: int = field(default=512, metadata={"doc": "projector output size (FedU^2: 512)"})
-    proj_hidden: int = field(default=2048, metadata={"doc": "projector hidden width"})
-    head_norm: str = field(default="layer", metadata={
-        "doc": "normalisation inside the heads: layer | none (the papers' BatchNorm has "
-               "running buffers, which fedmpi's models do not keep)"})
-
-    def __post_init__(self):
-        for name in ("proj_dim", "proj_hidden"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise UsageError(f"algorithm.{name}={value!r}: must be a positive integer")
-        if self.head_norm not in ("layer", "none"):
-            raise UsageError(f"algorithm.head_norm={self.head_norm!r}: must be 'layer' or 'none'")
+    proj_dim: int = param(512, ">= 1", "projector output size (FedU^2: 512)")
+    proj_hidden: int = param(2048, ">= 1", "projector hidden width")
+    head_norm: str = param("layer", ("layer", "none"),
+                           "normalisation inside the heads: layer | none (the papers' BatchNorm "
+                           "has running buffers, which fedmpi's models do not keep)")
 
 
 @register
-class FedSimCLR(Algorithm):
+class FedSimCLR(SelfSupervised, Algorithm):
     name = "fedsimclr"
     paper = "Chen et al. 2020, arXiv:2002.05709 (federated: Zhuang et al. 2021)"
-    supervised = False
 
     @dataclass(frozen=True)
     class Params(SSLParams):
-        temperature: float = field(default=0.07, metadata={
-            "doc": "NT-Xent temperature (EasyFL and FedU^2 code default)"})
-
-        def __post_init__(self):
-            super().__post_init__()
-            if isinstance(self.temperature, bool) or not self.temperature > 0:
-                raise UsageError(f"algorithm.temperature={self.temperature!r}: must be > 0")
-
-    def build_model(self, build, name, in_channels, num_classes, image_size, options):
-        p = self.params
-        options = {k: v for k, v in options.items() if k != "proj_dim"}
-        return build_ssl_model(name, in_channels, image_size, options, proj_dim=p.proj_dim,
-                               hidden=p.proj_hidden, norm=p.head_norm)
+        temperature: float = param(0.07, "> 0", "NT-Xent temperature (EasyFL and FedU^2 code default)")
 
     def local_update(self, task, payload, client_state, ctx):
-        batches = task.data.view_batches(ctx.local_epochs, ctx.batch_size)
-        return local_sgd.local_update(task, payload["x"], ctx,
-                                      loss_fn=on_projections(simclr_head(self.params.temperature)), batches=batches)
+        return self.train_on_views(task, payload["x"], ctx, simclr_head(self.params.temperature))

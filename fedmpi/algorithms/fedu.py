@@ -18,13 +18,12 @@ the last divergence delta_k (1). mu = 0: always the local predictor; mu = inf: F
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from ..errors import UsageError
 from .base import register
 from .byol import BYOLParams, encoder_divergence, predictor_size
 from .fedbyol import FedBYOL
+from .params import param
 
 
 @register
@@ -34,13 +33,8 @@ class FedU(FedBYOL):
 
     @dataclass(frozen=True)
     class Params(BYOLParams):
-        mu: float = field(default=0.4, metadata={
-            "doc": "DAPU threshold: the global predictor is used when delta_k < mu (EasyFL 0.4)"})
-
-        def __post_init__(self):
-            super().__post_init__()
-            if isinstance(self.mu, bool) or math.isnan(self.mu) or self.mu < 0:
-                raise UsageError(f"algorithm.mu={self.mu!r}: must be >= 0 (inf allowed)")
+        mu: float = param(0.4, ">= 0", "DAPU threshold: the global predictor is used when "
+                                       "delta_k < mu (EasyFL 0.4; inf: always, i.e. FedBYOL)")
 
     def client_state_sizes(self, d):
         return {**super().client_state_sizes(d), "predictor": predictor_size(self.params),

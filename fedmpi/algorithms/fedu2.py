@@ -39,21 +39,20 @@ Left out (code-only extras): the rotation-prediction head and the
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..errors import UsageError
-from ..models.ssl import build_ssl_model
-from . import eua, local_sgd
+from . import eua
 from .base import register
 from .byol import BYOLParams
 from .fedbyol import FedBYOL
-from .fedsimsiam import build_predictor_model
 from .fur import STEPS, tangent_sw_uniformity, uot_uniformity
-from .ssl_losses import byol_head, halves, on_projections, simclr_head, simsiam_head
+from .mixins import GramAggregation
+from .params import param
+from .ssl_losses import byol_head, halves, simclr_head, simsiam_head
 
 BACKBONES = ("byol", "simclr", "simsiam")
 FUR_VARIANTS = ("paper", "code", "none")
@@ -62,63 +61,35 @@ EUA_STEPS = ("matched", "fixed")
 LAMBDA_U = {"paper": 0.1, "code": 0.01, "none": 0.0}
 
 
-def _one_of(name: str, value, allowed) -> None:
-    if value not in allowed:
-        raise UsageError(f"algorithm.{name}={value!r}: must be one of "
-                         f"{', '.join(map(repr, allowed))}")
-
-
-def _positive(name: str, value, integer: bool = False) -> None:
-    ok = isinstance(value, int) if integer else isinstance(value, (int, float))
-    if isinstance(value, bool) or not ok or not value > 0 or not math.isfinite(value):
-        kind = "a positive integer" if integer else "a positive number"
-        raise UsageError(f"algorithm.{name}={value!r}: must be {kind}")
-
-
 @dataclass(frozen=True)
 class FedU2Params(BYOLParams):
-    backbone: str = field(default="byol", metadata={
-        "doc": "client method: byol | simclr | simsiam (the paper's comparison uses BYOL)"})
-    temperature: float = field(default=0.07, metadata={"doc": "NT-Xent temperature (simclr)"})
-    fur: str = field(default="paper", metadata={
-        "doc": "regulariser: paper (UOT, active scale) | code (tangent sliced W2) | none "
-               "(the EUA-only ablation)"})
-    lambda_u: float | None = field(default=None, metadata={
-        "doc": "regulariser weight; default 0.1 with fur = paper, 0.01 with fur = code"})
-    tau_a: float = field(default=0.8, metadata={"doc": "UOT marginal penalty tau_a (paper)"})
-    tau_b: float = field(default=0.8, metadata={"doc": "UOT marginal penalty tau_b (paper)"})
-    uot_iters: int = field(default=50, metadata={"doc": "UOT projected-descent steps (at most)"})
-    uot_step: str = field(default="eq6", metadata={
-        "doc": "UOT step: eq6 (the paper's) | projected (the projected gradient, faster)"})
-    sw_projections: int = field(default=6, metadata={
-        "doc": "random directions per tangent point (fur = code)"})
-    aggregator: str = field(default="eua", metadata={
-        "doc": "server: eua | fedavg (the FUR-only ablation)"})
-    eua: str = field(default="code", metadata={
-        "doc": "EUA direction scaling: code (Delta / ||Delta||) | paper (Delta / ||Delta||^2)"})
-    eua_step: str = field(default="matched", metadata={
-        "doc": "EUA step length: matched (eta_g mean_k(s_k) / 2, so identical updates move x "
-               "exactly as FedAvg would) | fixed (eua_lr, the code's rule)"})
-    eua_lr: float = field(default=8.0, metadata={
-        "doc": "EUA server step eta_s with eua_step = fixed (the code's cross-silo example: 8)"})
+    backbone: str = param("byol", BACKBONES,
+                          "client method: byol | simclr | simsiam (the paper's comparison uses BYOL)")
+    temperature: float = param(0.07, "(0, inf)", "NT-Xent temperature (simclr)")
+    fur: str = param("paper", FUR_VARIANTS,
+                     "regulariser: paper (UOT, active scale) | code (tangent sliced W2) | none "
+                     "(the EUA-only ablation)")
+    lambda_u: float | None = param(None, "[0, inf)",
+                                   "regulariser weight; default 0.1 with fur = paper, 0.01 with fur = code")
+    tau_a: float = param(0.8, "(0, inf)", "UOT marginal penalty tau_a (paper)")
+    tau_b: float = param(0.8, "(0, inf)", "UOT marginal penalty tau_b (paper)")
+    uot_iters: int = param(50, ">= 1", "UOT projected-descent steps (at most)")
+    uot_step: str = param("eq6", STEPS,
+                          "UOT step: eq6 (the paper's) | projected (the projected gradient, faster)")
+    sw_projections: int = param(6, ">= 1", "random directions per tangent point (fur = code)")
+    aggregator: str = param("eua", AGGREGATORS, "server: eua | fedavg (the FUR-only ablation)")
+    eua: str = param("code", eua.VARIANTS,
+                     "EUA direction scaling: code (Delta / ||Delta||) | paper (Delta / ||Delta||^2)")
+    eua_step: str = param("matched", EUA_STEPS,
+                          "EUA step length: matched (eta_g mean_k(s_k) / 2, so identical updates "
+                          "move x exactly as FedAvg would) | fixed (eua_lr, the code's rule)")
+    eua_lr: float = param(8.0, "(0, inf)",
+                          "EUA server step eta_s with eua_step = fixed (the code's cross-silo example: 8)")
 
     def __post_init__(self):
-        super().__post_init__()
-        _one_of("backbone", self.backbone, BACKBONES)
-        _one_of("fur", self.fur, FUR_VARIANTS)
-        _one_of("uot_step", self.uot_step, STEPS)
-        _one_of("aggregator", self.aggregator, AGGREGATORS)
-        _one_of("eua", self.eua, eua.VARIANTS)
-        _one_of("eua_step", self.eua_step, EUA_STEPS)
-        for name in ("temperature", "tau_a", "tau_b", "eua_lr"):
-            _positive(name, getattr(self, name))
-        for name in ("uot_iters", "sw_projections"):
-            _positive(name, getattr(self, name), integer=True)
-        if self.lambda_u is None:
+        if self.lambda_u is None and self.fur in LAMBDA_U:   # a bad fur is named by the check
             object.__setattr__(self, "lambda_u", LAMBDA_U[self.fur])
-        if isinstance(self.lambda_u, bool) or not isinstance(self.lambda_u, (int, float)) \
-                or not 0 <= self.lambda_u < math.inf:
-            raise UsageError(f"algorithm.lambda_u={self.lambda_u!r}: must be a number >= 0")
+        super().__post_init__()
 
 
 def with_uniformity(head, params: FedU2Params):
@@ -142,7 +113,7 @@ def with_uniformity(head, params: FedU2Params):
 
 
 @register
-class FedU2(FedBYOL):
+class FedU2(GramAggregation, FedBYOL):
     name = "fedu2"
     paper = "Liao et al. 2024, arXiv:2403.16398"
     Params = FedU2Params
@@ -157,13 +128,8 @@ class FedU2(FedBYOL):
     def _byol(self) -> bool:
         return self.params.backbone == "byol"
 
-    def build_model(self, build, name, in_channels, num_classes, image_size, options):
-        if self.params.backbone != "simclr":
-            return build_predictor_model(self.params, name, in_channels, image_size, options)
-        p = self.params
-        options = {k: v for k, v in options.items() if k != "proj_dim"}
-        return build_ssl_model(name, in_channels, image_size, options, proj_dim=p.proj_dim,
-                               hidden=p.proj_hidden, norm=p.head_norm)
+    def predictor(self):
+        return self.params.backbone != "simclr"
 
     def client_state_sizes(self, d):
         return super().client_state_sizes(d) if self._byol else {}
@@ -177,16 +143,14 @@ class FedU2(FedBYOL):
             return super().local_update(task, payload, client_state, ctx)
         head = simclr_head(self.params.temperature) if self.params.backbone == "simclr" \
             else simsiam_head
-        batches = task.data.view_batches(ctx.local_epochs, ctx.batch_size)
-        return local_sgd.local_update(task, payload["x"], ctx, batches=batches,
-                                      loss_fn=on_projections(with_uniformity(head, self.params)))
+        return self.train_on_views(task, payload["x"], ctx, with_uniformity(head, self.params))
 
     # ---- server ----
     def gram_weighted(self, phase):
         return self.params.aggregator == "eua"
 
-    def contribution_sizes(self, d):
-        return {"weight": 1} if self.gram_weighted("train") else super().contribution_sizes(d)
+    def contribution_sizes(self, d, phase=None):
+        return {"weight": 1} if self.gram_weighted("train") else super().contribution_sizes(d, phase)
 
     def contribution(self, upload):
         if not self.gram_weighted("train"):

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -33,11 +33,8 @@ import torch
 from ..errors import UsageError
 from . import feature_norms as fn
 from . import local_sgd
-from .base import Algorithm, Params, Upload, register
-
-
-def _fail(name: str, message: str) -> UsageError:
-    return UsageError(f"config field algorithm.{name}: {message}")
+from .base import Algorithm, Upload, register
+from .params import Params, param, param_error
 
 
 @register
@@ -49,39 +46,26 @@ class FNRFL(Algorithm):
 
     @dataclass(frozen=True)
     class Params(Params):
-        base: str = field(default="fedavg", metadata={
-            "doc": "base method: fedavg, fedprox, scaffold, moon, fednova (any one-phase method)"})
-        base_params: dict = field(default_factory=dict, metadata={
-            "doc": "the base's parameters, e.g. {mu = 0.01} (resolved: every one written out)"})
-        p: float = field(default=0.5, metadata={
-            "doc": "p: the floor(n p) clients of lowest public accuracy are refined (code 0.5)"})
-        lam: float = field(default=1.0, metadata={
-            "doc": "lambda, regulariser weight (code 1.0, README 0.5)"})
-        refine_epochs: int = field(default=5, metadata={
-            "doc": "E_re, epochs over the public set when refining"})
-        num_classes: int = field(default=10, metadata={
-            "doc": "C, length of F_i (must match the model)"})
-        delta_over: str = field(default="unselected", metadata={
-            "doc": "m in Delta_j: 'unselected' = S minus S_re (paper Alg. 2); "
-                   "'all_others' = every m != j (code)"})
-        regularizer: str = field(default="faithful", metadata={
-            "doc": "'faithful': the paper's constant term (no gradient); 'differentiable': squared "
-                   "distance to the mean class norms (NOT in the paper)"})
+        base: str = param("fedavg", doc="base method: fedavg, fedprox, scaffold, moon, fednova "
+                                        "(any one-phase method)")
+        base_params: dict = param({}, doc="the base's parameters, e.g. {mu = 0.01} "
+                                          "(resolved: every one written out)")
+        p: float = param(0.5, "[0, 1]", "p: the floor(n p) clients of lowest public accuracy "
+                                        "are refined (code 0.5)")
+        lam: float = param(1.0, ">= 0", "lambda, regulariser weight (code 1.0, README 0.5)")
+        refine_epochs: int = param(5, ">= 1", "E_re, epochs over the public set when refining")
+        num_classes: int = param(10, ">= 1", "C, length of F_i (must match the model)")
+        delta_over: str = param("unselected", ("unselected", "all_others"),
+                                "m in Delta_j: 'unselected' = S minus S_re (paper Alg. 2); "
+                                "'all_others' = every m != j (code)")
+        regularizer: str = param("faithful", ("faithful", "differentiable"),
+                                 "'faithful': the paper's constant term (no gradient); 'differentiable': "
+                                 "squared distance to the mean class norms (NOT in the paper)")
 
         def __post_init__(self):
-            checks = [("p", 0 <= self.p <= 1, "must be in [0, 1]"),
-                      ("lam", self.lam >= 0, "must be >= 0"),
-                      ("refine_epochs", self.refine_epochs >= 1, "must be >= 1"),
-                      ("num_classes", self.num_classes >= 1, "must be >= 1"),
-                      ("delta_over", self.delta_over in ("unselected", "all_others"),
-                       "choose unselected or all_others"),
-                      ("regularizer", self.regularizer in ("faithful", "differentiable"),
-                       "choose faithful or differentiable")]
-            for name, ok, message in checks:
-                if not ok:
-                    raise _fail(name, f"{getattr(self, name)!r}: {message}")
+            super().__post_init__()
             if self.regularizer == "differentiable" and self.delta_over == "unselected" and self.p == 1:
-                raise _fail("p", "p = 1 leaves no unrefined client to take the target norms from")
+                raise param_error("p", "p = 1 leaves no unrefined client to take the target norms from")
             resolved = dataclasses.asdict(_build_base(self).params)
             object.__setattr__(self, "base_params", resolved)
 
@@ -101,12 +85,17 @@ class FNRFL(Algorithm):
     def client_state_sizes(self, d):
         return {**self.base.client_state_sizes(d), "fnr_model": d}
 
-    def gather_sizes(self, d):
-        return {**self.base.gather_sizes(d), "fnr_feature_norm": self.params.num_classes,
-                "fnr_public_acc": 1, "fnr_penalty": 1}
+    def gather_sizes(self, d, phase=None):
+        """train: the base's + F_i (C) + A_i; refine: the mean penalty; None: all of them."""
+        train = {**self.base.gather_sizes(d, "train"), "fnr_feature_norm": self.params.num_classes,
+                 "fnr_public_acc": 1}
+        refine = {"fnr_penalty": 1}
+        return {"train": train, "refine": refine}.get(phase, {**train, **refine})
 
-    def contribution_sizes(self, d):
-        return {**self.base.contribution_sizes(d), "fnr_refined": d}
+    def contribution_sizes(self, d, phase=None):
+        """train: the base's; refine: n_j (w_j' - w_j); None: both."""
+        train, refine = self.base.contribution_sizes(d, "train"), {"fnr_refined": d}
+        return {"train": train, "refine": refine}.get(phase, {**train, **refine})
 
     # ---- server ----
     def init_server_state(self, x):
@@ -168,7 +157,7 @@ class FNRFL(Algorithm):
         C, module = self.params.num_classes, task.model.module
         out = getattr(getattr(module, "classifier", None), "out_features", C)
         if out != C:
-            raise _fail("num_classes", f"{C}, but the model has {out} classes")
+            raise param_error("num_classes", f"{C}, but the model has {out} classes")
         sizes = self.base.client_state_sizes(task.model.size)
         base_state = {k: client_state[k] for k in sizes} if sizes else None
         upload = self.base.local_update(task, payload, base_state, ctx)
@@ -196,12 +185,10 @@ class FNRFL(Algorithm):
                       extras={"fnr_refined": delta * n, "fnr_penalty": penalty})
 
     def contribution(self, upload):
-        d, device = upload.delta.numel(), upload.delta.device
+        """This phase's contributions: the base's in train, n_j (w_j' - w_j) in refine."""
         if "fnr_refined" in upload.extras:
-            sizes = self.base.contribution_sizes(d)
-            zeros = {k: torch.zeros(n, device=device) for k, n in sizes.items()}
-            return {**zeros, "fnr_refined": upload.extras["fnr_refined"]}
-        return {**self.base.contribution(upload), "fnr_refined": torch.zeros(d, device=device)}
+            return {"fnr_refined": upload.extras["fnr_refined"]}
+        return self.base.contribution(upload)
 
     def gather(self, upload):
         if "fnr_refined" in upload.extras:
@@ -215,11 +202,11 @@ def _build_base(params) -> Algorithm:
 
     if params.base == FNRFL.name or params.base not in REGISTRY:
         allowed = ", ".join(sorted(set(REGISTRY) - {FNRFL.name}))
-        raise _fail("base", f"{params.base!r} is not allowed; choose one of {allowed}")
+        raise param_error("base", f"{params.base!r} is not allowed; choose one of {allowed}")
     if REGISTRY[params.base].phases != ("train",):
-        raise _fail("base", f"{params.base} has phases {REGISTRY[params.base].phases}; "
+        raise param_error("base", f"{params.base} has phases {REGISTRY[params.base].phases}; "
                             "a base needs the single phase 'train'")
     try:
         return build(params.base, dict(params.base_params))
     except UsageError as exc:
-        raise _fail("base_params", str(exc).removeprefix("config field ")) from None
+        raise param_error("base_params", str(exc).removeprefix("config field ")) from None

@@ -19,13 +19,13 @@ faster: on B=128, d=512 unit vectors 50 steps leave an objective gap of ~0.06 ag
 for Eq. 6 (optimum ~82.4). pi* is solved without autograd and l_u is the objective at pi*
 with C differentiable: by the envelope theorem that is the gradient of the minimum.
 
-Scale (f4): c = 0.5 ||z - s||^2 and a = b = 1 (unit mass per sample) by default. The printed
+Scale (docs/algorithms.md, FedU^2): c = 0.5 ||z - s||^2 and a = b = 1 (unit mass per sample) by default. The printed
 convention c = ||z - s||^2 with a = b = 1/B is inert: for unit vectors in high dimension
 C_ij ~ 2 > tau_a a_i + tau_b b_j, so G(0) >= 0 entrywise, pi* = 0 is optimal (KKT) and l_u is
 a constant with zero gradient (tested). With c = 0.5||.||^2 ~ 1 < tau_a + tau_b = 1.6 the
 plan is non-trivial (~56 units of mass at B = 128).
 
-``tangent_sw_uniformity`` (the released code's RepresentationTagentCollapse, f1): B random
+``tangent_sw_uniformity`` (the released code's RepresentationTagentCollapse): B random
 tangent points q_t and B uniform samples s on the sphere; for each q_t, log-map Z and S to
 T_{q_t} S^{d-1}, project both on ``projections`` Gaussian (unnormalised) directions, sort
 each 1-D projection and average the squared differences (sliced W2^2); the sum over the B

@@ -12,11 +12,13 @@ first optimizer a process builds costs ~0.75 s of lazy imports (measured on a 2-
 
 from __future__ import annotations
 
+import copy
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+from ..flat import FlatModel
 from .base import ClientTask, RoundContext, Upload
 
 # correction(grads, params) modifies the flat gradient in place before clipping.
@@ -107,3 +109,13 @@ def local_update(task: ClientTask, x: torch.Tensor, ctx: RoundContext,
     loss, steps = train(task, ctx, correction, loss_fn, gradient_fn, batches)
     delta = task.model.params - x
     return Upload(delta=delta, num_samples=task.data.num_samples, loss=loss, steps=steps)
+
+
+def frozen_copy(flat: FlatModel) -> FlatModel:
+    """A second flat model with ``flat``'s architecture and storage order, in eval mode and
+    without gradients: the fixed reference models of MOON (global and previous) and
+    FedMRUR (the received global model G), loaded with ``load``."""
+    twin = FlatModel(copy.deepcopy(flat.module), flat.params.device, dtype=flat.params.dtype,
+                     channels_last=flat.channels_last)
+    twin.module.eval().requires_grad_(False)
+    return twin

@@ -14,12 +14,12 @@ README (rho 0.1, alpha 0.1); FedMRUR's MoFedSAM baseline uses rho 0.5.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from . import local_sgd
 from .base import register
 from .fedcm import FedCM
-from .fedsam import check_rho
+from .params import param
 from .sam import sam_gradient
 
 
@@ -30,12 +30,7 @@ class MoFedSAM(FedCM):
 
     @dataclass(frozen=True)
     class Params(FedCM.Params):
-        rho: float = field(default=0.1, metadata={
-            "doc": "SAM perturbation radius rho (FL-Simulator 0.1; FedMRUR paper 0.5)"})
-
-        def __post_init__(self):
-            super().__post_init__()
-            check_rho(self.rho)
+        rho: float = param(0.1, ">= 0", "SAM perturbation radius rho (FL-Simulator 0.1; FedMRUR paper 0.5)")
 
     def local_update(self, task, payload, client_state, ctx):
         return local_sgd.local_update(task, payload["x"], ctx, self.correction(payload),

@@ -22,8 +22,7 @@ authors' code computes while its model pool is empty (only the positive pair: l_
 
 from __future__ import annotations
 
-import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -31,8 +30,10 @@ import torch.nn.functional as F
 from ..errors import UsageError
 from ..flat import FlatModel
 from . import local_sgd
-from .base import Params, Upload, register
+from .base import Upload, register
 from .fedavg import FedAvg
+from .local_sgd import frozen_copy
+from .params import Params, param
 
 FIRST_PARTICIPATION = ("skip",)
 _NO_HEAD = ("config field model.proj_dim: moon needs a projection head; "
@@ -61,14 +62,6 @@ def moon_loss(glob, prev, mu: float, tau: float):
     return loss
 
 
-def frozen_copy(flat: FlatModel) -> FlatModel:
-    """A second flat model with ``flat``'s architecture and storage order, in eval mode."""
-    twin = FlatModel(copy.deepcopy(flat.module), flat.params.device, dtype=flat.params.dtype,
-                      channels_last=flat.channels_last)
-    twin.module.eval().requires_grad_(False)
-    return twin
-
-
 @register
 class Moon(FedAvg):
     name = "moon"
@@ -76,19 +69,10 @@ class Moon(FedAvg):
 
     @dataclass(frozen=True)
     class Params(Params):
-        mu: float = field(default=5.0, metadata={"doc": "weight mu of the contrastive loss"})
-        tau: float = field(default=0.5, metadata={"doc": "temperature tau of the contrastive loss"})
-        first_participation: str = field(default="skip", metadata={
-            "doc": "no previous model yet: 'skip' = CE only (authors' code, empty model pool)"})
-
-        def __post_init__(self):
-            if self.mu < 0:
-                raise UsageError(f"config field algorithm.mu: must be >= 0, got {self.mu}")
-            if not self.tau > 0:
-                raise UsageError(f"config field algorithm.tau: must be > 0, got {self.tau}")
-            if self.first_participation not in FIRST_PARTICIPATION:
-                raise UsageError(f"config field algorithm.first_participation: "
-                                 f"{self.first_participation!r} is not allowed; choose skip")
+        mu: float = param(5.0, ">= 0", "weight mu of the contrastive loss")
+        tau: float = param(0.5, "> 0", "temperature tau of the contrastive loss")
+        first_participation: str = param("skip", FIRST_PARTICIPATION, "no previous model yet: "
+                                         "'skip' = CE only (authors' code, empty model pool)")
 
     def __init__(self, params=None):
         super().__init__(params)

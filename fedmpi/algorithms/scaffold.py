@@ -21,13 +21,13 @@ when clients have equal sizes).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from ..errors import UsageError
-from . import local_sgd
-from .base import Algorithm, Params, register
+from . import local_sgd, server_opt
+from .base import Algorithm, register
+from .params import Params, param
 
 STEP_COUNTS = ("actual", "nominal")
 
@@ -46,13 +46,8 @@ class Scaffold(Algorithm):
 
     @dataclass(frozen=True)
     class Params(Params):
-        steps: str = field(default="actual", metadata={
-            "doc": "K in c_i+: 'actual' steps taken [rec] or 'nominal' E*n_i/B (FL-Simulator)"})
-
-        def __post_init__(self):
-            if self.steps not in STEP_COUNTS:
-                raise UsageError(f"config field algorithm.steps: {self.steps!r} is not allowed; "
-                                 f"choose one of {', '.join(STEP_COUNTS)}")
+        steps: str = param("actual", STEP_COUNTS,
+                           "K in c_i+: 'actual' steps taken (paper) or 'nominal' E*n_i/B (FL-Simulator)")
 
     def traffic(self, d, phase):
         return 2 * d, 2 * d
@@ -60,8 +55,8 @@ class Scaffold(Algorithm):
     def client_state_sizes(self, d):
         return {"c_i": d}
 
-    def contribution_sizes(self, d):
-        return {"delta": d, "delta_c": d}
+    def contribution_sizes(self, d, phase=None):
+        return {**super().contribution_sizes(d, phase), "delta_c": d}
 
     def init_server_state(self, x):
         return {"x": x.clone(), "c": torch.zeros_like(x)}
@@ -70,7 +65,7 @@ class Scaffold(Algorithm):
         return {"x": state["x"], "c": state["c"]}
 
     def server_update(self, state, sums, gathered, ctx):
-        state["x"].add_(sums["delta"], alpha=ctx.global_lr / len(ctx.participants))
+        super().server_update(state, sums, gathered, ctx)   # the plain mean: weights 1
         state["c"].add_(sums["delta_c"], alpha=1.0 / ctx.num_clients)
 
     def local_update(self, task, payload, client_state, ctx):
@@ -89,4 +84,4 @@ class Scaffold(Algorithm):
         return ctx.local_epochs * task.data.num_samples / ctx.batch_size
 
     def contribution(self, upload):
-        return {"delta": upload.delta, "delta_c": upload.extras["delta_c"]}
+        return {**server_opt.count_once(upload), "delta_c": upload.extras["delta_c"]}

@@ -13,11 +13,24 @@ from __future__ import annotations
 import torch
 
 
+def count_once(upload) -> dict[str, torch.Tensor]:
+    """The contribution of a plain (unweighted) mean over S_t: (Delta_i, weight 1), so the
+    reduced "weight" is S exactly (a float32 sum of ones) whichever the order.
+
+    FedACG, FedMRUR, FedMIM and SCAFFOLD use it. Two server steps divide by it, in two
+    arithmetic orders kept as they are (bit for bit): FedACG's Dbar = sum / S
+    (``mean_update``, then momentum) and FedMIM's and SCAFFOLD's x += (eta_g / S) sum
+    (``Algorithm.server_update``); FedMRUR normalises the sum instead.
+    """
+    one = torch.ones(1, dtype=upload.delta.dtype, device=upload.delta.device)
+    return {"delta": upload.delta, "weight": one}
+
+
 def mean_update(sums: dict[str, torch.Tensor]) -> torch.Tensor:
     """Dbar = sum_i w_i Delta_i / sum_i w_i from the reduced contributions.
 
     The weights w_i are whatever the algorithm's ``contribution`` put in "weight":
-    n_i (FedAvg's convention) or 1 (a plain mean over S_t, FedACG's).
+    n_i (FedAvg's convention) or 1 (a plain mean over S_t, ``count_once``).
     """
     return sums["delta"] / sums["weight"]
 
