@@ -3,9 +3,10 @@
 Client i's loss is f_i(w) = 0.5 ||w - c_i||^2 (its data only sets how many steps it
 takes), so every local update has a closed form: a plain SGD step is
 w <- w - lr (w - c_i). Tests compare an algorithm's rounds with numbers worked out by
-hand or by a few lines of numpy. The round follows the runtime's order (phases,
-participants, payload, local updates in client order, sums, gathered columns, client
-state, server update); the runtime itself is exercised by the MPI/CLI tests.
+hand or by a few lines of numpy. Each phase is the runtime's own
+(``fedmpi.runtime.phase.Phases.run``) over the in-process comm, so the tests check the
+runtime's order (participants, payload, local updates in client order, sums, gathered
+columns, client state, server update); MPI itself is exercised by the MPI/CLI tests.
 
     alg = build("fedavg", {})
     clients = {0: quadratic_task(0, center=[1.0, 0.0]), 1: quadratic_task(1, center=[0.0, 1.0])}
@@ -22,8 +23,10 @@ from torch import nn
 
 from fedmpi.algorithms import ClientTask, RoundContext
 from fedmpi.algorithms.base import ClientData
+from fedmpi.comm import LocalComm
 from fedmpi.flat import FlatModel
-from fedmpi.runtime.experiment import Contributions
+from fedmpi.runtime.phase import Phases
+from fedmpi.runtime.records import Timers, Traffic
 
 
 class StepsData(ClientData):
@@ -75,49 +78,34 @@ class Simulation:
         self.client_states: dict[int, dict[str, torch.Tensor]] = {}
         self.last: dict[str, dict] = {}   # phase -> {"sums":..., "gathered":..., "uploads":...}
 
-    def _client_state(self, c):
-        sizes = self.alg.client_state_sizes(self.d)
-        if not sizes:
-            return None
-        return self.client_states.get(c) or {k: torch.zeros(n) for k, n in sizes.items()}
+    def get(self, c):
+        """The runtime's client-state store interface (host arrays in, host arrays out)."""
+        s = self.client_states.get(c)
+        if s is None:
+            return {k: np.zeros(n, dtype=np.float32) for k, n in self.alg.client_state_sizes(self.d).items()}
+        return {k: v.numpy() for k, v in s.items()}
+
+    def put(self, c, s):
+        self.client_states[c] = {k: torch.from_numpy(np.array(v, copy=True)) for k, v in s.items()}
 
     def round(self, participants, t: int = 0, **ctx_kw) -> dict[str, float]:
         """One round over ``participants`` (ascending); returns the diagnostics."""
         sampled = np.asarray(sorted(participants), dtype=np.int64)
+        phases = Phases(LocalComm(), self.alg, self.d, torch.device("cpu"),
+                        steps={c: 1 for c in self.tasks},
+                        context=lambda t, phase, who: context(t, who, phase, **ctx_kw),
+                        make_task=lambda c, ctx, p: self.tasks[c], store=self)
         diagnostics = {}
-        for phase in self.alg.phases:
-            who = np.asarray(self.alg.phase_participants(self.state, phase, sampled))
-            ctx = context(t, who, phase, **ctx_kw)
-            payload = {k: v.clone() for k, v in self.alg.payload(self.state, ctx).items()}
-            sizes = self.alg.contribution_sizes(self.d)
-            folded = Contributions(sizes, torch.device("cpu"), keep_each=False)
-            uploads, rows = {}, {}
-            for c in who.tolist():
-                upload = self.alg.local_update(self.tasks[c], payload, self._client_state(c), ctx)
-                folded.add(self.alg.contribution(upload))
-                if upload.state is not None:
-                    self.client_states[c] = {k: v.detach().clone() for k, v in upload.state.items()}
-                uploads[c] = upload
-                rows[c] = self.alg.gather(upload)
-            sums, offset = {}, 0
-            for name, n in sizes.items():
-                sums[name] = folded.sum[offset:offset + n]
-                offset += n
-            gathered = self._columns(who, uploads, rows)
-            self.alg.server_update(self.state, sums, gathered, ctx)
-            diagnostics.update(self.alg.diagnostics(self.state, sums, gathered, ctx))
-            self.last[phase] = {"sums": sums, "gathered": gathered, "uploads": uploads}
-        return diagnostics
+        for p, phase in enumerate(self.alg.phases):
+            uploads = {}
 
-    def _columns(self, who, uploads, rows) -> dict[str, np.ndarray]:
-        """The per-client columns server_update receives, as the runtime builds them."""
-        cols = {"client": who.astype(np.float64),
-                "n_samples": np.array([uploads[c].num_samples for c in who], dtype=np.float64),
-                "steps": np.array([uploads[c].steps for c in who], dtype=np.float64),
-                "train_loss": np.array([uploads[c].loss for c in who], dtype=np.float64),
-                "update_norm": np.array([float(uploads[c].delta.norm()) for c in who])}
-        for name, n in self.alg.gather_sizes(self.d).items():
-            values = np.array([rows[c][name].detach().double().reshape(-1).numpy()
-                               if name in rows[c] else np.full(n, np.nan) for c in who])
-            cols[name] = values.reshape(len(who), n).squeeze(1) if n == 1 else values.reshape(len(who), n)
-        return cols
+            def keep(c, upload, uploads=uploads):
+                uploads[c] = upload
+                return 0.0
+
+            result = phases.run(self.state, t, p, phase, sampled, Timers(), Traffic(),
+                                after_client=keep)
+            diagnostics.update(result.diagnostics)
+            self.last[phase] = {"sums": result.sums, "gathered": result.gathered,
+                                "uploads": uploads}
+        return diagnostics

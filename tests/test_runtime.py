@@ -172,3 +172,33 @@ def test_update_statistics_land_in_the_file(tmp_path):
         np.testing.assert_allclose(rounds["client_update_norm_mean"], norms.mean(axis=1))
         assert np.isnan(plain.rounds()["client_update_cosine_mean"]).all()
         assert np.array_equal(run.model(), plain.model())  # statistics never change training
+
+
+def test_observers_are_called_at_their_named_points(tmp_path):
+    from fedmpi.runtime.experiment import Experiment
+    from fedmpi.runtime.observers import Observer, default_observers
+
+    class Recorder(Observer):
+        def __init__(self):
+            self.calls = []
+
+        def on_setup(self, exp):
+            self.calls.append("setup")
+
+        def before_round(self, exp, t):
+            self.calls.append(f"before {t}")
+
+        def after_evaluate(self, exp, t, timers):
+            self.calls.append(f"evaluated {t}")
+
+        def after_round(self, exp, record):
+            self.calls.append(f"round {record.round} {record.ranks['seconds_compute'][0] > 0}")
+
+    values = merged(TINY, rounds=2)
+    values["output"] = str(tmp_path / "observed.h5")
+    recorder = Recorder()
+    exp = Experiment(cfg.from_dict(values), LocalComm(), quiet=True,
+                     observers=default_observers(quiet=True) + [recorder])
+    exp.run()
+    assert recorder.calls == ["setup", "round 0 False", "before 0", "evaluated 0", "round 1 True",
+                              "before 1", "evaluated 1", "round 2 True"]

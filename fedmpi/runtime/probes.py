@@ -1,6 +1,6 @@
 """Probes of a self-supervised run's global encoder into /eval (config ``eval.probes``).
 
-FedU^2's protocols (Liao et al., CVPR 2024; fedmpi.ssl_eval): the linear probe on frozen
+FedU^2's protocols (Liao et al., CVPR 2024; fedmpi.evaluation.ssl): the linear probe on frozen
 features, fine-tuning on 1% / 10% stratified labels, and the singular values of the
 feature covariance (FedU^2 Figure 3). The linear probe and each fine-tuning are whole
 sequential trainings, dealt to workers round-robin; the spectrum's test chunks are sharded
@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from ..evaluation import probe_column, probe_tasks, run_probe, spectrum, spectrum_worker
-from ..ssl_eval import effective_rank
+from ..evaluation import (effective_rank, probe_column, probe_tasks, run_probe, spectrum,
+                          spectrum_worker)
 from .rng import key_seed
 
 
@@ -67,14 +67,10 @@ def evaluate_file(path, probe_names=(), overrides=(), quiet: bool = False) -> di
     from .. import algorithms
     from ..comm import LocalComm
     from ..config import apply_overrides, from_dict, parse_override
-    from ..data import load_dataset
     from ..errors import UsageError
-    from ..flat import FlatModel
-    from ..models import build_model
     from ..results import RunFile
     from ..results.writer import _reopen, append_eval
-    from .clientdata import DeviceData
-    from .system import choose_device, choose_threads
+    from .world import build_world
 
     for text in overrides:
         if parse_override(text)[0][0] != "eval":
@@ -93,18 +89,11 @@ def evaluate_file(path, probe_names=(), overrides=(), quiet: bool = False) -> di
     if alg.supervised:
         raise UsageError(f"{path}: algorithm {config.algorithm.name!r} is supervised; "
                          f"probes are for self-supervised encoders")
-    device = choose_device(config.system.device, True, 0)
-    torch.set_num_threads(choose_threads(config.system.threads, config.system.deterministic, True, 1))
-    dataset = load_dataset(config.data.dataset, config.data.data_dir, seed=config.seed,
-                           **config.data.options)
-    module = alg.build_model(build_model, config.model.name, dataset.in_channels,
-                             dataset.num_classes, dataset.image_size, config.model.options)
-    flat = FlatModel(module, device)               # standard layout: the file's order
-    flat.load(torch.from_numpy(vector).to(device))
-    data = DeviceData(dataset, device, augment=False, crop_padding=0, flip=False,
-                      channels_last=False)
-    row, values, _ = run(LocalComm(), flat.module.encoder, data, dataset.num_classes, config,
-                         completed)
+    comm = LocalComm()
+    world = build_world(config, comm, alg, run=False)   # standard layout: the file's order
+    world.flat.load(torch.from_numpy(vector).to(world.device))
+    row, values, _ = run(comm, world.flat.module.encoder, world.data, world.dataset.num_classes,
+                         config, completed)
     row["posthoc"] = 1.0
     h5file = _reopen(path)
     try:

@@ -1,0 +1,26 @@
+"""Stop a run whose loss or parameters are NaN/Inf: the file says failed at which round."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+
+from . import Observer
+
+DIVERGED = "diverged"
+
+
+class Divergence(Observer):
+    def after_round(self, exp, record) -> None:
+        if record.round == 0:
+            return
+        # Workers learn of a stop from the next round's plan; the file keeps every round.
+        if not (math.isfinite(record.row["train_loss"]) and bool(torch.isfinite(exp.state["x"]).all())):
+            # rounds count from 1 everywhere: /rounds/round, progress lines, failed_round
+            exp.writer.set_status("failed", error=f"diverged at round {record.round}",
+                                  failed_round=record.round)
+            exp.stop = DIVERGED
+            print(f"fedmpi: training diverged at round {record.round} (NaN/Inf loss or parameters)",
+                  file=sys.stderr, flush=True)

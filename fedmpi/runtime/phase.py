@@ -1,0 +1,311 @@
+"""One phase of a round over any comm: the protocol every algorithm runs through.
+
+The runtime runs it over MPI or in one process; the test harness runs the same code over
+``LocalComm`` with closed-form clients, so algorithm tests check the runtime's ordering.
+
+1. announce: server picks the participants, places them, broadcasts plan + payload;
+2. train: workers train their clients and fold contributions in as they come;
+3. reduce: the server gets the sum (one Reduce, or in client order if deterministic),
+   the per-client rows (client order) and the new client states;
+4. update: the server applies the algorithm's update.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from .. import algorithms
+from . import gram
+from .plan import place
+from .records import WIRE_BYTES, Timers, Traffic
+from .stats import STAT_SIZES_KEYS, stat_contribution
+
+ROW = ["client", "rank", "n_samples", "steps", "train_loss", "update_norm", "seconds"]
+
+
+class StopRun(Exception):
+    """The server told every rank to stop: divergence, or a preemption signal."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass
+class PhaseResult:
+    """Server side of a phase: what server_update received, and the rows for /clients."""
+    sums: dict
+    gathered: dict
+    stats: list          # the update statistics' two sums (first phase, eval.update_stats)
+    diagnostics: dict
+    rows: dict           # gathered + phase, bytes_down, bytes_up
+
+
+@dataclass
+class Phases:
+    """What a phase needs from the world. ``make_task(c, ctx, p)``: client c's ClientTask;
+    ``store``: the server's client states (get/put); ``steps``: placement weights."""
+    comm: object
+    alg: object
+    d: int
+    device: torch.device
+    steps: np.ndarray
+    context: Callable       # (t, phase, participants) -> RoundContext
+    make_task: Callable
+    store: object = None
+    deterministic: bool = False
+    update_stats: bool = False
+
+    def run(self, state, t: int, p: int, phase: str, sampled, timers: Timers,
+            traffic: Traffic, stop=None, after_client=None) -> PhaseResult | None:
+        """Steps 1-4 for one phase; returns the result on the server, None elsewhere.
+        ``after_client(c, upload)``: called after each local update; returns seconds
+        to count as evaluation rather than compute (FedU^2's local spectra)."""
+        comm, alg = self.comm, self.alg
+        participants, assignment, payload = self.announce(state, t, phase, sampled, stop)  # 1
+        ctx = self.context(t, phase, participants)
+        states = self.scatter_states(assignment)
+        t0 = time.perf_counter()
+        folded, rows, new_states, vectors, aside = self.train(                          # 2
+            assignment, payload, states, ctx, p, after_client)
+        timers.eval += aside
+        timers.compute += time.perf_counter() - t0 - aside
+        sums = self.collect_sums(folded, assignment, p)                                 # 3
+        if alg.gram_weighted(phase):
+            t0 = time.perf_counter()
+            combined, _ = gram.weighted_sum(comm, vectors, assignment, self.d,
+                                            lambda inner: alg.gram_coefficients(inner, ctx))
+            timers.aggregate += time.perf_counter() - t0
+            if comm.is_server:
+                sums["delta"] = combined
+        gathered = self.collect_rows(rows, phase)
+        self.gather_states(new_states)
+        if not comm.is_server:
+            return None
+        stats = [sums.pop(key) for key in STAT_SIZES_KEYS if key in sums] if p == 0 else []
+        t0 = time.perf_counter()
+        alg.server_update(state, sums, gathered, ctx)                                   # 4
+        timers.aggregate += time.perf_counter() - t0
+        diagnostics = alg.diagnostics(state, sums, gathered, ctx)
+        down, up = (n * WIRE_BYTES for n in alg.traffic(self.d, phase))
+        n = len(participants)
+        traffic.add(down, up, n)
+        rows = {**self.unused_columns(phase, n), **gathered, "phase": np.full(n, p),
+                "bytes_down": np.full(n, down), "bytes_up": np.full(n, up)}
+        return PhaseResult(sums, gathered, stats, diagnostics, rows)
+
+    def announce(self, state, t, phase, sampled, stop):
+        """Server -> all: participants, placement and the payload (one flat buffer)."""
+        comm, head, buf = self.comm, None, None
+        if comm.is_server:
+            participants = np.asarray(self.alg.phase_participants(state, phase, sampled))
+            payload = self.alg.payload(state, self.context(t, phase, participants))
+            spec = [(k, v.numel()) for k, v in payload.items()]
+            head = (stop, participants, place(participants, self.steps, comm.num_workers), spec)
+            buf = torch.cat([v.reshape(-1).to(torch.float32) for v in payload.values()])
+        stop, participants, assignment, spec = comm.bcast_obj(head)
+        if stop:
+            raise StopRun(stop)
+        if buf is None:
+            buf = torch.empty(sum(n for _, n in spec), dtype=torch.float32)
+        comm.bcast(buf)
+        return participants, assignment, split(buf, spec, self.device)
+
+    def sizes(self, p: int) -> dict[str, int]:
+        """What is summed in phase p: the algorithm's contributions, plus the update
+        statistics' two vectors in the first phase when ``eval.update_stats`` is on."""
+        sizes = dict(self.alg.contribution_sizes(self.d, self.alg.phases[p]))
+        if p == 0 and self.update_stats:
+            sizes.update({key: self.d for key in STAT_SIZES_KEYS})
+        return sizes
+
+    def train(self, assignment, payload, states, ctx, p, after_client=None):
+        """Train this worker's clients, folding each contribution in as it comes."""
+        sizes = self.sizes(p)
+        folded = Contributions(sizes, self.device, keep_each=self.deterministic)
+        rows, new_states, vectors, aside = [], {}, [], 0.0
+        keep = self.alg.gram_weighted(ctx.phase)
+        mine = assignment[self.comm.worker_index] if self.comm.is_worker else []
+        for c, state in self.device_states(np.asarray(mine).tolist(), states):
+            t0 = time.perf_counter()
+            task = self.make_task(c, ctx, p)
+            upload = self.alg.local_update(task, payload, state, ctx)
+            if after_client is not None:   # sees the client's local model before it is reloaded
+                aside += after_client(c, upload)
+            contribution = self.alg.contribution(upload)
+            if STAT_SIZES_KEYS[0] in sizes:
+                contribution = {**contribution, **stat_contribution(upload.delta)}
+            folded.add(contribution)
+            if keep:  # the gram path needs each client's update (host memory: K_w d)
+                vectors.append(upload.delta.detach().float().cpu())
+            if upload.state is not None:
+                new_states[c] = {k: v.detach().cpu().numpy() for k, v in upload.state.items()}
+            rows.append(self.client_row(c, upload, time.perf_counter() - t0, ctx.phase))
+        table = np.asarray(rows, dtype=np.float64).reshape(-1, self.row_width(ctx.phase))
+        return folded, table, new_states, vectors, aside
+
+    def client_row(self, c, upload, seconds, phase: str) -> np.ndarray:
+        """The ROW values, then the fields the algorithm gathers in this phase."""
+        gathered = self.alg.gather(upload)
+        extras = [gathered[k].detach().reshape(-1).double().cpu().numpy()
+                  for k in self.alg.gather_sizes(self.d, phase)]
+        head = [c, self.comm.rank, upload.num_samples, upload.steps, upload.loss,
+                float(torch.linalg.vector_norm(upload.delta)), seconds]
+        return np.concatenate([head] + extras)
+
+    def row_width(self, phase: str) -> int:
+        return len(ROW) + sum(self.alg.gather_sizes(self.d, phase).values())
+
+    def unused_columns(self, phase: str, n: int) -> dict:
+        """NaN for the /clients fields other phases gather: every phase's rows have every
+        column of the file."""
+        used = self.alg.gather_sizes(self.d, phase)
+        return {name: np.full((n, size) if size > 1 else n, math.nan)
+                for name, size in self.alg.gather_sizes(self.d).items() if name not in used}
+
+    def collect_sums(self, folded: "Contributions", assignment, p: int) -> dict | None:
+        """Sum of contributions on the server: one Reduce, or in client order if deterministic."""
+        comm, sizes = self.comm, self.sizes(p)
+        if folded.keep_each:
+            parts = comm.gatherv(folded.host().reshape(-1).numpy())
+            if not comm.is_server:
+                return None
+            workers = parts[1:] if comm.size > 1 else parts
+            total = sum_in_client_order(workers, assignment, folded.total)
+        else:
+            total = torch.zeros(folded.total) if comm.is_server else None
+            comm.reduce_sum(folded.host(), total)
+            if not comm.is_server:
+                return None
+        return split(total, list(sizes.items()), torch.device("cpu"))
+
+    def collect_rows(self, rows, phase: str) -> dict | None:
+        parts = self.comm.gatherv(rows.reshape(-1))
+        if not self.comm.is_server:
+            return None
+        table = np.concatenate(parts).reshape(-1, self.row_width(phase))
+        table = table[np.argsort(table[:, 0], kind="stable")]
+        out = {name: table[:, i] for i, name in enumerate(ROW)}
+        col = len(ROW)
+        for name, size in self.alg.gather_sizes(self.d, phase).items():
+            out[name] = table[:, col:col + size].squeeze(1) if size == 1 else table[:, col:col + size]
+            col += size
+        return out
+
+    # ---- client state: kept on the server's host, shipped to whoever trains the client --
+    def scatter_states(self, assignment) -> dict:
+        if not self.alg.client_state_sizes(self.d):
+            return {}
+        parts = None
+        if self.comm.is_server:
+            per_worker = [{c: self.store.get(c) for c in a.tolist()} for a in assignment]
+            parts = per_worker if self.comm.size == 1 else [{}] + per_worker
+        return self.comm.scatter_obj(parts)   # host arrays: device_states moves them
+
+    def device_states(self, clients: list[int], states: dict):
+        """(client, its state on the device) in training order. Only one client's state
+        is on the GPU at a time (with ResNet-18 a stateful method's state is ~45 MB a
+        client): on CUDA the next client's state is copied from pinned memory on a side
+        stream while the current client trains."""
+        if self.device.type != "cuda":
+            for c in clients:
+                s = states.get(c)
+                yield c, None if s is None else {k: torch.from_numpy(v) for k, v in s.items()}
+            return
+        stream = torch.cuda.Stream(self.device)
+
+        def issue(c):
+            s = states.get(c)
+            if s is None:
+                return None
+            with torch.cuda.stream(stream):
+                return {k: torch.from_numpy(v).pin_memory().to(self.device, non_blocking=True)
+                        for k, v in s.items()}
+
+        pending = issue(clients[0]) if clients else None
+        for i, c in enumerate(clients):
+            current, compute = pending, torch.cuda.current_stream(self.device)
+            compute.wait_stream(stream)
+            for tensor in (current or {}).values():
+                tensor.record_stream(compute)   # freed only after the training that uses it
+            pending = issue(clients[i + 1]) if i + 1 < len(clients) else None
+            yield c, current
+
+    def gather_states(self, new_states) -> None:
+        if not self.alg.client_state_sizes(self.d):
+            return
+        parts = self.comm.gather_obj(new_states)
+        if self.comm.is_server:
+            for part in parts:
+                for c, s in part.items():
+                    self.store.put(c, s)
+
+
+def round_context(config, t, phase, participants) -> algorithms.RoundContext:
+    tr = config.train
+    lr = tr.lr * tr.lr_decay ** t
+    return algorithms.RoundContext(
+        round=t, phase=phase, lr=lr, lr_prev=lr / tr.lr_decay, global_lr=tr.global_lr,
+        weight_decay=tr.weight_decay, clip_norm=tr.clip_norm, local_epochs=tr.local_epochs,
+        batch_size=tr.batch_size, num_clients=config.clients.num,
+        participants=tuple(int(c) for c in participants), seed=config.seed)
+
+
+class Contributions:
+    """A worker's contributions: a running sum (fast mode) or one flat vector per client
+    in training order (deterministic mode, summed in client order on the server)."""
+
+    def __init__(self, sizes: dict[str, int], device, keep_each: bool):
+        self.sizes, self.device, self.keep_each = sizes, device, keep_each
+        self.total = sum(sizes.values())
+        self.sum = None if keep_each else torch.zeros(self.total, device=device)
+        self.each: list[torch.Tensor] = []
+
+    def add(self, contribution: dict[str, torch.Tensor]) -> None:
+        target = torch.empty(self.total, device=self.device) if self.keep_each else None
+        offset = 0
+        for name, n in self.sizes.items():
+            piece = contribution[name].reshape(-1)
+            if self.keep_each:
+                target[offset:offset + n] = piece
+            else:
+                self.sum[offset:offset + n] += piece
+            offset += n
+        if self.keep_each:
+            self.each.append(target.cpu())
+
+    def host(self) -> torch.Tensor:
+        if not self.keep_each:
+            return self.sum.cpu()
+        return torch.stack(self.each) if self.each else torch.zeros(0, self.total)
+
+
+def sum_in_client_order(parts, assignment, total: int) -> torch.Tensor:
+    """Add per-client vectors in ascending client id, whichever worker sent them.
+
+    ``parts[w]`` holds worker w's vectors in the order of ``assignment[w]``. The float32
+    additions happen in one fixed order, so the sum is the same bits for any layout.
+    """
+    by_client = {}
+    for clients, part in zip(assignment, parts):
+        for c, vec in zip(np.asarray(clients).tolist(), part.reshape(-1, total)):
+            by_client[c] = vec
+    out = torch.zeros(total)
+    for c in sorted(by_client):
+        out += torch.from_numpy(by_client[c])
+    return out
+
+
+def split(buf: torch.Tensor, spec, device) -> dict[str, torch.Tensor]:
+    out, offset = {}, 0
+    buf = buf.to(device)
+    for name, n in spec:
+        out[name] = buf[offset:offset + n]
+        offset += n
+    return out

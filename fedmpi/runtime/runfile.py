@@ -1,0 +1,88 @@
+"""The server's results file at start: a new one, or the file of a run being resumed
+(its state back from the checkpoint). One writer per file: both take its lock first."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import UsageError
+from ..results import ResultsWriter, RunFile, liveness
+from ..results.lock import RunLock
+from ..results.writer import recover_crashed
+from .records import RANK_FIELDS, ROUND_FIELDS, client_fields
+
+
+def create_file(exp, dataset, ranks) -> bool:
+    """A new results file; returns False: its initial model is not evaluated yet."""
+    cfg, comm = exp.config, exp.comm
+    provenance = {
+        "git_commit": git_commit(), "world_size": comm.size,
+        "num_workers": comm.num_workers, "ranks": ranks,
+        "hostnames": sorted({r["host"] for r in ranks}),
+        "seed": cfg.seed, "torch_version": torch.__version__, "python": sys.version.split()[0],
+        "num_params": exp.d, "dataset_source": dataset.source,
+        "algorithm_paper": exp.alg.paper, "command": " ".join(sys.argv),
+        "writer": liveness.identity(), "eval_batch_size": exp.eval_batch,
+    }
+    partition = exp.split.file_datasets(dataset.train_y.numpy(), dataset.num_classes)
+    exp.lock = RunLock.acquire(cfg.output_path())
+    exp.writer = ResultsWriter.create(
+        cfg.output_path(), config=cfg.to_dict(), provenance=provenance,
+        round_fields=ROUND_FIELDS + list(exp.alg.diagnostic_fields),
+        client_fields=client_fields(exp.alg, exp.d), rank_fields=RANK_FIELDS,
+        layout=exp.flat.layout_rows(), partition=partition, force=exp.force)
+    return False
+
+
+def resume_file(exp, ranks) -> bool:
+    """Continue the file's run: state from its checkpoint (or round 0 without one).
+    Returns whether the file has the initial model's row (round 0)."""
+    path = exp.config.output_path()
+    exp.lock = RunLock.acquire(path)
+    recovered = recover_crashed(path)
+    if recovered:
+        print(f"fedmpi: {recovered}", file=sys.stderr, flush=True)
+    with RunFile(path) as run:
+        stored = run.partition()
+        ckpt = run.checkpoint()
+        if ckpt is not None:
+            load_checkpoint(exp, ckpt)
+        history = list(run.attrs.get("resumes", []))
+        evaluated = bool(np.any(run.rounds()["round"] == 0))
+    if not np.array_equal(stored["client_offsets"], exp.split.offsets) or \
+            not np.array_equal(stored["client_indices"], exp.split.indices):
+        raise UsageError(f"--resume {path}: this fedmpi computes a different client partition "
+                         f"from the file's config (was the code changed?)")
+    history.append({"round": exp.start, "world_size": exp.comm.size,
+                    "git_commit": git_commit(), "ranks": ranks,
+                    "eval_batch_size": exp.eval_batch})
+    # the last stop's details would be stale once the run goes on
+    exp.writer = ResultsWriter.resume(path, exp.start, resumes=history, error="",
+                                      interrupted_round=None, failed_round=None,
+                                      writer=liveness.identity())
+    return evaluated
+
+
+def load_checkpoint(exp, ckpt) -> None:
+    missing = sorted(set(exp.state) - set(ckpt.server))
+    if missing:
+        raise UsageError(f"checkpoint lacks server state {missing} of algorithm "
+                         f"{exp.config.algorithm.name!r}")
+    exp.state = {k: torch.from_numpy(np.array(v)) for k, v in ckpt.server.items()}
+    exp.store.load_state_dict(ckpt.states())
+    exp.start = ckpt.round
+
+
+def git_commit() -> str:
+    root = Path(__file__).resolve().parents[2]
+    try:
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
+                             text=True, timeout=5)
+        return out.stdout.strip() if out.returncode == 0 else ""
+    except (OSError, subprocess.SubprocessError):
+        return ""

@@ -1,0 +1,53 @@
+"""The evaluation step: the server's evaluation parameters, scored by the workers on
+test chunks (supervised) or by kNN on the encoder's features (self-supervised)."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import torch
+
+from ..evaluation import chunks_of, combine, evaluate_chunks, knn_accuracy, knn_worker
+
+
+def load_eval_model(exp) -> None:
+    """Server -> workers: the parameters to evaluate, into each worker's model."""
+    comm = exp.comm
+    buf = exp.alg.eval_params(exp.state).to(torch.float32).contiguous().clone() \
+        if comm.is_server else torch.empty(exp.d, dtype=torch.float32)
+    comm.bcast(buf)
+    if comm.is_worker:
+        exp.flat.load(buf.to(exp.device))
+
+
+def evaluate(exp, timers) -> tuple[float, float]:
+    """(test_acc, test_loss) on the server, NaNs elsewhere; the time goes to timers.eval."""
+    t0 = time.perf_counter()
+    comm, bs = exp.comm, exp.eval_batch
+    load_eval_model(exp)
+    if not exp.alg.supervised:
+        return _evaluate_knn(exp, timers, t0)
+    rows = np.zeros((0, 4))
+    if comm.is_worker:
+        chunk_ids = chunks_of(len(exp.data.test_y), bs, comm.worker_index, comm.num_workers)
+        rows = evaluate_chunks(exp.flat.module, exp.data, chunk_ids, bs)
+    parts = comm.gatherv(rows.reshape(-1))
+    timers.eval += time.perf_counter() - t0
+    if not comm.is_server:
+        return math.nan, math.nan
+    return combine(np.concatenate(parts).reshape(-1, 4))
+
+
+def _evaluate_knn(exp, timers, t0) -> tuple[float, float]:
+    """A representation learner's test_acc: kNN accuracy of its encoder (k = 200,
+    temperature 0.1, bank = the training set), bank chunks sharded over workers."""
+    comm = exp.comm
+    partial = knn_worker(exp.flat.module.encoder, exp.data, comm.worker_index,
+                         comm.num_workers) if comm.is_worker else None
+    parts = comm.gather_obj(partial)
+    timers.eval += time.perf_counter() - t0
+    if not comm.is_server:
+        return math.nan, math.nan
+    return knn_accuracy(parts, exp.test_y, exp.num_classes), math.nan

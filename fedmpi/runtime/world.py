@@ -1,0 +1,111 @@
+"""What a rank works with: threads, device, data, partition and model, built the same
+way by a run (every rank) and by ``fedmpi evaluate`` (one process)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+
+from ..data import load_dataset
+from ..errors import UsageError
+from ..flat import FlatModel
+from ..models import build_model
+from .clientdata import DeviceData
+from .federation import federate
+from .rng import key_seed
+from .system import autocast_dtype, choose_device, choose_threads, node_workers, tune_malloc
+
+
+@dataclass
+class World:
+    threads: int
+    device: torch.device
+    autocast: object
+    dataset: object
+    flat: FlatModel
+    data: DeviceData | None = None   # workers only
+    split: object = None             # the client partition (runs only)
+
+    @property
+    def d(self) -> int:
+        return self.flat.size
+
+
+def build_world(config, comm, alg, *, run: bool = True) -> World:
+    """Every rank, collectively. ``run``: a training run's world (partition, augmented
+    data, the config's memory layout); otherwise a finished model's (standard layout,
+    no augmentation: the file's order), as ``fedmpi evaluate`` wants."""
+    s = config.system
+    tune_malloc()
+    peers = node_workers(comm)
+    threads = choose_threads(s.threads, s.deterministic, comm.is_worker, comm.size,
+                             local_workers=len(peers))
+    torch.set_num_threads(threads)
+
+    def device_and_precision():
+        device = choose_device(s.device, comm.is_worker, comm.rank, peers, s.gpu_share)
+        return device, autocast_dtype(device, s.precision) if comm.is_worker else None
+
+    device, autocast = agree(comm, device_and_precision)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)   # before anything else touches CUDA
+    dataset = load_dataset(config.data.dataset, config.data.data_dir, seed=config.seed,
+                           **config.data.options)
+    # the partition: computed once on the server from the seed, broadcast (see `federate`)
+    split = comm.bcast_obj(federate(config, dataset) if comm.is_server else None) if run else None
+    channels_last = config.model.channels_last and run
+    torch.manual_seed(key_seed(config.seed, "init"))
+    module = alg.build_model(build_model, config.model.name, dataset.in_channels,
+                             dataset.num_classes, dataset.image_size, config.model.options)
+    flat = FlatModel(module, device, channels_last=channels_last)
+    data = None
+    if comm.is_worker:
+        data = DeviceData(dataset, device, augment=config.data.augment and run,
+                          crop_padding=config.data.crop_padding if run else 0,
+                          flip=config.data.flip and run,
+                          channels_last=channels_last and dataset.train_x.dim() == 4)
+    return World(threads, device, autocast, dataset, flat, data, split)
+
+
+def agree(comm, step):
+    """``step()`` on every rank; if it raises UsageError on any, every rank raises the
+    first one, so the server reports it once (a GPU missing on some worker's node)."""
+    try:
+        result, problem = step(), None
+    except UsageError as exc:
+        result, problem = None, str(exc)
+    problems = comm.gather_obj(problem, count=False)
+    first = comm.bcast_obj(next((p for p in problems if p), None) if comm.is_server else None)
+    if first:
+        raise UsageError(first)
+    return result
+
+
+def rank_info(comm, world: World) -> dict:
+    return {"rank": comm.rank, "host": socket.gethostname(), "pid": os.getpid(),
+            "device": str(world.device), "threads": world.threads}
+
+
+EVAL_BATCH_CPU, EVAL_BATCH_GPU = 250, 1000
+
+
+def eval_batch_size(configured: int, devices: list[str]) -> int:
+    """eval.batch_size, or when it is 0 (auto) the size for the workers' devices: 250 test
+    samples keep a CPU's activations in cache, a GPU wants larger batches. The same on
+    every rank (it is also the chunk each worker scores), so the server decides."""
+    if configured:
+        return configured
+    return EVAL_BATCH_GPU if any(d.startswith("cuda") for d in devices) else EVAL_BATCH_CPU
+
+
+def rank_table(ranks: list[dict]) -> str:
+    """Which rank runs where, on which device: printed at start (also in the file's
+    ``ranks`` attribute)."""
+    lines = [f"{'rank':>4}  {'role':<6}  {'host':<20}  {'device':<8}  threads"]
+    for r in ranks:
+        role = "server" if r["rank"] == 0 and len(ranks) > 1 else ("both" if len(ranks) == 1 else "worker")
+        lines.append(f"{r['rank']:>4}  {role:<6}  {r['host'][:20]:<20}  {r['device']:<8}  {r['threads']}")
+    return "\n".join(lines)
