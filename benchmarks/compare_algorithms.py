@@ -1,4 +1,4 @@
-"""Real-data comparison of the algorithms: one table like the seed papers' (issue 3).
+"""Real-data comparison of the algorithms: one table like the seed papers'.
 
 Fashion-MNIST, 100 clients with Dirichlet(0.3) label skew, 10 clients per round (low
 participation), the two-conv CNN, E=1, B=50, lr 0.05; every algorithm with its

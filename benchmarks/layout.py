@@ -19,7 +19,6 @@ fedmpi rank should run) unless --system-malloc is given or they are already set.
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import statistics
 import sys

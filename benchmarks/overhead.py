@@ -17,7 +17,7 @@ Variants, each timed over the 20 rounds (setup excluded), in the same run:
   can do on 2 cores.
 - ``mpirun``: ``mpirun -n 3 fedmpi run`` (server + 2 workers, 1 thread each).
 
-Targets (issue 2): fedmpi / bare <= 0.85; mpirun / limit <= 1.05.
+Targets: fedmpi / bare <= 0.85; mpirun / limit <= 1.05.
 
     python benchmarks/overhead.py                 # full workload, 2 repetitions
     python benchmarks/overhead.py --rounds 5 --repeat 1  # quick look

@@ -1,4 +1,4 @@
-"""Partitioning at scale (issue 4, item 5): 50,000 samples into 100,000 clients.
+"""Partitioning at scale: 50,000 samples into 100,000 clients.
 
 For every partition kind, times (median of --repeats runs) computing the partition, its
 client x class count matrix (what the results file stores), and sampling one round of
