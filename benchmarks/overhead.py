@@ -200,7 +200,8 @@ def time_fedmpi(config_path: Path, out: Path, ranks: int | None) -> dict:
     _sub(cmd, env={"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
     with RunFile(out) as run:
         rounds = run.rounds()
-        return {"wall": float(rounds["time_wall"].sum()), "acc": float(rounds["test_acc"][-1]),
+        trained = rounds["round"] >= 1   # round 0 scores the initial model: not in the workload
+        return {"wall": float(rounds["time_wall"][trained].sum()), "acc": float(rounds["test_acc"][-1]),
                 "params": run.model()}
 
 
