@@ -228,13 +228,20 @@ def test_bad_parameters_are_one_line_usage_errors(params, message):
 def test_base_params_resolve_and_round_trip_through_toml():
     import tomllib
 
-    c = cfg.from_dict(tomllib.loads('[algorithm]\nname = "fnrfl"\nbase = "fedprox"\n'
-                                    '[algorithm.base_params]\nmu = 0.1\n'))
+    c = cfg.from_dict(tomllib.loads('[data]\npublic_size = 100\n[algorithm]\nname = "fnrfl"\n'
+                                    'base = "fedprox"\n[algorithm.base_params]\nmu = 0.1\n'))
     assert c.algorithm.params["base_params"] == {"mu": 0.1}
-    assert cfg.from_dict({"algorithm": {"name": "fnrfl", "base": "fedprox"}}).algorithm.params["base_params"] \
-        == {"mu": 0.01}   # every base parameter written out
+    fedprox = {"algorithm": {"name": "fnrfl", "base": "fedprox"}, "data": {"public_size": 100}}
+    assert cfg.from_dict(fedprox).algorithm.params["base_params"] == {"mu": 0.01}   # written out
     again = cfg.from_dict(tomllib.loads(cfg.to_toml(c.to_dict())))
     assert again.algorithm.params == c.algorithm.params
+
+
+def test_no_public_set_is_refused_at_config_time(tmp_path):
+    """Before any MPI work or file, not when the first client trains."""
+    with pytest.raises(UsageError, match=r"^config field data.public_size: algorithm 'fnrfl' "
+                                         r"needs a server-side public set; set it > 0"):
+        cfg.from_dict({"algorithm": {"name": "fnrfl"}})
 
 
 def test_traffic_is_declared_per_phase():

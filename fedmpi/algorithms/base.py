@@ -136,6 +136,7 @@ class Algorithm:
     phases: ClassVar[tuple[str, ...]] = ("train",)
     diagnostic_fields: ClassVar[tuple[str, ...]] = ()   # names ``diagnostics`` returns
     supervised: ClassVar[bool] = True   # False: the ``SelfSupervised`` mixin
+    needs_public: ClassVar[bool] = False   # True: refused at config time without data.public_size
 
     def __init__(self, params: Params | None = None):
         self.params = params if params is not None else self.Params()

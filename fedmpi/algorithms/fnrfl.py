@@ -43,6 +43,7 @@ class FNRFL(Algorithm):
     paper = "Hu et al. 2023, arXiv:2312.06951"
     phases = ("train", "refine")
     diagnostic_fields = ("fnr_refined", "fnr_public_acc_mean")
+    needs_public = True   # F_i, A_i and the refinement read the server's public split
 
     @dataclass(frozen=True)
     class Params(Params):
@@ -146,8 +147,6 @@ class FNRFL(Algorithm):
 
     # ---- client ----
     def local_update(self, task, payload, client_state, ctx):
-        if task.public is None:
-            raise UsageError("config field data.public_size: FNR-FL needs a public set (set it > 0)")
         if ctx.phase == "train":
             return self._train(task, payload, client_state, ctx)
         return self._refine(task, payload, client_state, ctx)

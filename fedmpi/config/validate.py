@@ -95,6 +95,9 @@ def resolve_and_validate(c: ExperimentConfig) -> None:
     check_scalar("model", c.model.options)
     c.algorithm.params = algorithms.resolved_params(c.algorithm.name, c.algorithm.params,
                                                     c.model.options)
+    if algorithms.REGISTRY[c.algorithm.name].needs_public and not c.data.public_size:
+        raise field_error("data.public_size", f"algorithm {c.algorithm.name!r} needs a server-"
+                          f"side public set; set it > 0 (fnrfl_fmnist uses 320)")
     _validate_paths(c)
 
 
