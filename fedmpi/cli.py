@@ -49,7 +49,11 @@ def _resolve(config_file, preset, overrides, output=None):
     from . import config as cfg
 
     overrides = list(overrides) + ([f"output={cfg.toml_value(output)}"] if output else [])
-    return cfg.resolve(config_file, preset, overrides)
+    config = cfg.resolve(config_file, preset, overrides)
+    if _launcher_rank() == 0:   # stderr: `fedmpi config > exp.toml` stays clean TOML
+        for note in config.algorithm_notes:
+            click.echo(f"fedmpi: {note}", err=True)
+    return config
 
 
 @main.command()

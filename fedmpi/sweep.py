@@ -33,7 +33,11 @@ are an error.
 
 **Tables as grid values** replace the whole field: ``algorithm = [{name = "fedavg"},
 {name = "fedacg", lam = 0.85}]`` sweeps algorithms together with their own parameters
-(a preset's FedACG parameters would be unknown to FedAvg). In [set], tables merge key by
+(a preset's FedACG parameters would be unknown to FedAvg). A grid (or [set]) value of
+``algorithm.name`` that differs from the base's algorithm drops the base's algorithm
+parameters, also those the new algorithm has under the same name (FedACG's ``beta`` is
+not FedAvgM's): each cell's algorithm gets its defaults, except the parameters the same
+cell gives (its [set], grid values or ``--set``). In [set], tables merge key by
 key instead. Because the name depends on the values, not on the cell's
 index, a cell finds its own file again when the sweep is re-run, extended or reordered.
 

@@ -105,12 +105,15 @@ def test_changing_a_selector_on_the_command_line_drops_the_old_choices_parameter
     assert "rho" not in c.algorithm.params
     same = cfg.resolve(None, "fedmrur_fmnist", ["algorithm.name=fedmrur"])
     assert same.algorithm.params == cfg.resolve(None, "fedmrur_fmnist").algorithm.params
-    # what the new algorithm also takes stays: the preset's heads, for every SSL method
+    # not even what the new algorithm takes by the same name (tests/test_algorithm_swap.py):
+    # the preset's heads give way to the new method's defaults unless given with it
     preset = cfg.load_preset("fussl_fmnist_silo")["algorithm"]
     for name in ("fedsimclr", "fedsimsiam", "fedu", "fedema", "fedu2"):
         c = cfg.resolve(None, "fussl_fmnist_silo", [f"algorithm.name={name}"])
-        assert c.algorithm.params["proj_dim"] == preset["proj_dim"] == 128
-        assert c.algorithm.params["proj_hidden"] == preset["proj_hidden"]
+        assert preset["proj_dim"] == 128 and c.algorithm.params["proj_dim"] == 512
+        assert any(n.startswith("algorithm.proj_dim = 128 was set for fedbyol") for n in c.algorithm_notes)
+        c = cfg.resolve(None, "fussl_fmnist_silo", [f"algorithm.name={name}", "algorithm.proj_dim=128"])
+        assert c.algorithm.params["proj_dim"] == 128
     assert "pred_hidden" not in cfg.resolve(None, "fussl_fmnist_silo",
                                             ["algorithm.name=fedsimclr"]).algorithm.params
     with pytest.raises(UsageError, match="model.name 'cnn' is an image model"):

@@ -13,6 +13,7 @@ module only chooses and lays out columns.
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -35,6 +36,7 @@ def summarize(path) -> str:
         attrs, config, rounds = run.attrs, run.config, run.rounds()
     lines = [("file", str(path)), ("status", _status(attrs))]
     lines += _experiment(config)
+    lines += _parameters(config, attrs)
     lines.append(("rounds", _progress(rounds, config)))
     lines += _accuracy(rounds)
     lines += _traffic(rounds)
@@ -67,6 +69,25 @@ def _experiment(config: dict) -> list[tuple[str, str]]:
     if any(parts):
         lines.append(("clients", ", ".join(p for p in parts if p)))
     return lines
+
+
+def _parameters(config: dict, attrs: dict) -> list[tuple[str, str]]:
+    """The algorithm's parameters with where each came from (``algorithm_param_sources``),
+    e.g. ``beta=0.9 (default), lam=0.85 (preset)``; nothing for a file without them."""
+    sources = attrs.get("algorithm_param_sources")
+    table = get_key(config, "algorithm")
+    if not isinstance(sources, dict) or not isinstance(table, dict):
+        return []
+    params = {k: v for k, v in table.items() if k != "name"}   # to_dict: params beside name
+    if not params:
+        return []
+    parts = [f"{key}={_param(params[key])} ({sources.get(key, '?')})" for key in sorted(params)]
+    return [("parameters", ", ".join(parts))]
+
+
+def _param(value) -> str:
+    text = json.dumps(value, default=str) if isinstance(value, (list, dict)) else str(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _progress(rounds: dict, config: dict) -> str:

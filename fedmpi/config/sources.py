@@ -89,18 +89,27 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.strip().split("."), value
 
 
-# The key that chooses what an open section's extra keys mean: changing it on the command
-# line drops the extras that came from the file or preset (they belonged to the old choice),
-# except algorithm parameters the new algorithm also takes (the SSL heads, SAM's rho, ...).
+# The key that chooses what an open section's extra keys mean: changing it by an override
+# drops the extras that came from the file or preset (they belonged to the old choice). For
+# the algorithm that is every parameter, also one the new algorithm takes by the same name
+# (FedACG's beta is not FedAvgM's): only those given by the same overrides stay.
 _SELECTORS = {"partition": "kind", "algorithm": "name", "model": "name", "data": "dataset"}
 
+# Where an algorithm parameter came from (``ExperimentConfig.algorithm_param_sources``).
+DEFAULT, PRESET, FILE, COMMAND_LINE = "default", "preset", "config file", "command line"
 
-def apply_overrides(values: dict, overrides: list[str]) -> dict:
+
+def apply_overrides(values: dict, overrides: list[str], sources: dict | None = None,
+                    notes: list | None = None) -> dict:
     """``--set`` on top of ``values``. ``--set partition.kind=pathological`` on a preset
-    with ``alpha`` drops that alpha (and likewise model and dataset parameters, and the
-    algorithm parameters the new algorithm does not take); parameters given by other
-    ``--set``s are kept."""
+    with ``alpha`` drops that alpha (and likewise model and dataset parameters); a new
+    ``algorithm.name`` drops every algorithm parameter not given by ``overrides`` itself,
+    and a new ``algorithm.base`` (FNR-FL) drops ``base_params``. ``sources`` (parameter ->
+    where it came from) is updated; ``notes`` gets one line per dropped parameter that the
+    new algorithm also takes (it now has its default, not the old algorithm's value)."""
     values = copy.deepcopy(values)
+    sources = {} if sources is None else sources
+    notes = [] if notes is None else notes
     for text in overrides:
         path, value = parse_override(text)
         node = values
@@ -109,32 +118,101 @@ def apply_overrides(values: dict, overrides: list[str]) -> dict:
             if not isinstance(node, dict):
                 raise UsageError(f"--set {text!r}: {part} is not a section")
         if len(path) == 2 and _SELECTORS.get(path[0]) == path[1] and node.get(path[1]) != value:
-            _drop_extras(path[0], node, overrides, value)
+            if path[0] == "algorithm":
+                _drop_algorithm_parameters(node, overrides, value, sources, notes)
+            else:
+                _drop_extras(path[0], node, overrides)
+        if path == ["algorithm", "base"] and node.get("base", "fedavg") != value:
+            _drop_base_params(node, overrides, value, sources, notes)
         node[path[-1]] = value
+        if path[0] == "algorithm":
+            if len(path) == 1:   # a whole [algorithm] table: its parameters are all it has
+                sources.clear()
+                sources.update({k: COMMAND_LINE for k in value if k not in _FIXED_ALGORITHM}
+                               if isinstance(value, dict) else {})
+            elif path[1] not in _FIXED_ALGORITHM:
+                sources[path[1]] = COMMAND_LINE
     return values
 
 
-def _drop_extras(section: str, node: dict, overrides: list[str], choice) -> None:
+def _given(section: str, overrides: list[str]) -> set[str]:
+    """The keys of ``section`` that ``overrides`` set (``algorithm.base_params.mu``: base_params)."""
+    return {p[1] for p in (parse_override(t)[0] for t in overrides) if len(p) >= 2 and p[0] == section}
+
+
+def _drop_extras(section: str, node: dict, overrides: list[str]) -> None:
     cls = get_type_hints(ExperimentConfig)[section]
     fixed = {f.name for f in dataclasses.fields(cls)}
-    given = {p[1] for p in (parse_override(t)[0] for t in overrides) if len(p) == 2 and p[0] == section}
-    shared = _algorithm_parameters(choice) if section == "algorithm" else set()
-    for key in [k for k in node if k not in fixed and k not in given and k not in shared]:
+    given = _given(section, overrides)
+    for key in [k for k in node if k not in fixed and k not in given]:
         del node[key]
 
 
-def _algorithm_parameters(name) -> set[str]:
-    """The parameters algorithm ``name`` takes (none if it is unknown, e.g. a plugin's)."""
+_FIXED_ALGORITHM = {"name", "params"}
+
+
+def _drop_algorithm_parameters(node: dict, overrides: list[str], name, sources: dict,
+                               notes: list) -> None:
+    """A new algorithm ``name``: the old one's parameters go, except those ``overrides``
+    give; each that ``name`` also takes gets a note (it means something else there)."""
+    old = node.get("name", "fedavg")
+    given = _given("algorithm", overrides)
+    defaults = _algorithm_defaults(name)
+    for key in [k for k in node if k not in _FIXED_ALGORITHM and k not in given]:
+        value = node.pop(key)
+        sources.pop(key, None)
+        if key in defaults:
+            notes.append(f"algorithm.{key} = {_show(value)} was set for {old}; {name} uses its "
+                         f"default {_show(defaults[key])} (set algorithm.{key} to override)")
+
+
+def _drop_base_params(node: dict, overrides: list[str], base, sources: dict,
+                      notes: list) -> None:
+    """FNR-FL's ``base_params`` belong to its old ``base``: a new base drops them unless
+    ``overrides`` give them too."""
+    if "base_params" in node and "base_params" not in _given("algorithm", overrides):
+        value = node.pop("base_params")
+        sources.pop("base_params", None)
+        if value:
+            notes.append(f"algorithm.base_params = {_show(value)} was set for base "
+                         f"{node.get('base', 'fedavg')}; {base} uses its defaults (set "
+                         f"algorithm.base_params to override)")
+
+
+def _show(value) -> str:
+    from .toml import toml_value
+
+    try:
+        return toml_value(list(value) if isinstance(value, tuple) else value)
+    except Exception:   # noqa: BLE001 - a note must never fail the resolution
+        return repr(value)
+
+
+def _algorithm_defaults(name) -> dict:
+    """Parameter -> default of algorithm ``name`` (empty if it is unknown, e.g. a typo)."""
     from ..algorithms import REGISTRY
+    from ..algorithms.params import default_of
 
     cls = REGISTRY.get(name) if isinstance(name, str) else None
-    return {f.name for f in dataclasses.fields(cls.Params)} if cls else set()
+    return {f.name: default_of(f) for f in dataclasses.fields(cls.Params)} if cls else {}
 
 
 def resolve(path: str | None = None, preset: str | None = None,
             overrides: list[str] = ()) -> ExperimentConfig:
-    """File or preset (default preset ``default``), then ``--set`` overrides, validated."""
+    """File or preset (default preset ``default``), then ``--set`` overrides, validated.
+
+    The config also carries ``algorithm_param_sources`` (parameter -> "default", "preset",
+    "config file" or "command line") and ``algorithm_notes`` (the lines saying which
+    parameters a change of algorithm dropped; ``fedmpi`` prints them on rank 0)."""
     if path and preset:
         raise UsageError("give a config file or --preset, not both")
     values = load_file(path) if path else load_preset(preset or "default")
-    return from_dict(apply_overrides(values, list(overrides)))
+    origin = FILE if path else PRESET
+    table = values.get("algorithm")
+    sources = ({k: origin for k in table if k not in _FIXED_ALGORITHM}
+               if isinstance(table, dict) else {})
+    notes: list[str] = []
+    config = from_dict(apply_overrides(values, list(overrides), sources, notes))
+    config.algorithm_param_sources = {k: sources.get(k, DEFAULT) for k in config.algorithm.params}
+    config.algorithm_notes = notes
+    return config

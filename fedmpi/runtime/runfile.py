@@ -29,6 +29,9 @@ def create_file(exp, dataset, ranks) -> bool:
         "algorithm_paper": exp.alg.paper, "command": " ".join(sys.argv),
         "writer": liveness.identity(), "eval_batch_size": exp.eval_batch,
     }
+    sources = getattr(cfg, "algorithm_param_sources", None)   # set by config.resolve
+    if sources is not None:
+        provenance["algorithm_param_sources"] = dict(sources)
     partition = exp.split.file_datasets(dataset.train_y.numpy(), dataset.num_classes)
     exp.lock = RunLock.acquire(cfg.output_path())
     exp.writer = ResultsWriter.create(
