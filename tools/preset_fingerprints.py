@@ -18,6 +18,7 @@ does the comparison.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import sys
@@ -76,6 +77,11 @@ def cases() -> dict[str, tuple[str, list[str]]]:
             continue   # run on its own preset already
         base = "default" if cls.supervised else SSL_BASE
         extra = ["model.proj_dim=16"] if name == "moon" else []   # MOON's projection head
+        # the base's parameters this algorithm also takes (the SSL heads), given explicitly:
+        # a new algorithm.name alone would drop them (fedmpi.config.sources)
+        takes = {f.name for f in dataclasses.fields(cls.Params)}
+        extra += [f"algorithm.{k}={cfgmod.toml_value(v)}" for k, v in cfgmod.load_preset(base).get("algorithm", {}).items()
+                  if k in takes and k != "name"]
         found[f"algorithm={name}"] = (base, small(base) + [f'algorithm.name="{name}"', *extra])
     return found
 
