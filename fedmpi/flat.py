@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+WIRE_BYTES = 4  # float32: the bytes one value of a message takes on the simulated wire
+
 
 @dataclass(frozen=True)
 class Slot:

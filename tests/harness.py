@@ -60,11 +60,13 @@ def quadratic_task(client: int, center, steps: int = 1, num_samples: int = 10) -
 def context(t: int = 0, participants=(), phase: str = "train", lr: float = 0.1,
             lr_prev: float | None = None, weight_decay: float = 0.0, clip_norm: float = 0.0,
             local_epochs: int = 1, num_clients: int = 10, global_lr: float = 1.0,
-            seed: int = 0) -> RoundContext:
+            seed: int = 0, **optimizer) -> RoundContext:
+    """``optimizer``: RoundContext's local-optimizer fields (momentum, local_schedule, ...)."""
     return RoundContext(round=t, phase=phase, lr=lr, lr_prev=lr if lr_prev is None else lr_prev,
                         global_lr=global_lr, weight_decay=weight_decay, clip_norm=clip_norm,
                         local_epochs=local_epochs, batch_size=1, num_clients=num_clients,
-                        participants=tuple(int(c) for c in participants), seed=seed)
+                        participants=tuple(int(c) for c in participants), seed=seed,
+                        **optimizer)
 
 
 class Simulation:

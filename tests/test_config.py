@@ -55,7 +55,8 @@ BAD = [
     (["train.batch_size=0"], "train.batch_size"),
     (["eval.every=0"], "eval.every"),
     (["optimiser=adam"], "optimiser"),
-    (["train.momentum=0.9"], "train.momentum"),
+    (["train.momentum=1.5"], "train.momentum"),
+    (["train.optimizer=adam"], "train.optimizer"),    # an unknown key in a fixed section
     (["output=runs/{nme}.h5"], "output"),
     (["seed=-1"], "seed"),
 ]

@@ -33,12 +33,16 @@ def _lookup(name: str) -> type[Algorithm]:
     return REGISTRY[name]
 
 
-def resolved_params(name: str, params: dict, model_options: dict | None = None) -> dict:
+def resolved_params(name: str, params: dict, model_options: dict | None = None,
+                    train=None) -> dict:
     """Every parameter of ``name`` with its value: the given ones checked, the rest defaults;
-    with ``model_options``, also what the method needs from the model."""
+    with ``model_options``, also what the method needs from the model, and with ``train``
+    (a TrainConfig) that its formulas hold for the local optimizer."""
     algorithm = build(name, params)
     if model_options is not None:
         algorithm.check_model(model_options)
+    if train is not None:
+        algorithm.check_training(train)
     return dataclasses.asdict(algorithm.params)
 
 

@@ -38,7 +38,7 @@ tests/test_protocol.py exercises all five with a toy algorithm on quadratic clie
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, ClassVar, Iterator
 
 import numpy as np
@@ -63,6 +63,12 @@ class RoundContext:
     num_clients: int          # N
     participants: tuple[int, ...]  # the clients taking part in this phase, ascending
     seed: int
+    # The local optimizer (train.*; fedmpi.algorithms.schedule for the local factors):
+    momentum: float = 0.0     # heavy-ball momentum, the buffer zeroed per local update
+    nesterov: bool = False
+    local_schedule: str = "constant"   # constant | step | cosine over the K local steps
+    local_decay: float = 1.0  # step: the factor per local epoch
+    local_warmup: int = 0     # steps of linear warm-up at the start of each local update
 
 
 class ClientData:
@@ -169,6 +175,11 @@ class Algorithm:
         """Config-time check that the model has what this method needs (MOON: a
         projection head); raise UsageError naming the model.<option>."""
 
+    def check_training(self, train) -> None:
+        """Config-time check that the local optimizer (``train``, a TrainConfig) is one this
+        method's formulas hold for (SCAFFOLD's K eta_l needs a constant local lr); raise
+        UsageError naming the train.<field>."""
+
     # ---- server side ----
     def init_server_state(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"x": x.clone()}
@@ -211,6 +222,24 @@ class Algorithm:
 
     def gather(self, upload: Upload) -> dict[str, torch.Tensor]:
         return {}
+
+    def refined_upload(self, upload: Upload, x: torch.Tensor | None, w: torch.Tensor,
+                       w_new: torch.Tensor, steps: int, ctx: RoundContext
+                       ) -> tuple[Upload, dict[str, torch.Tensor]]:
+        """FNR-FL's refinement (fedmpi.algorithms.fnrfl), on the client: this method's local
+        update of the round went from x (x^t; None where not known) to w and sent
+        ``upload``, as the client rebuilds it (delta = w - x, num_samples, the extras of the
+        names ``gather_sizes`` and ``contribution_sizes`` declare, the client state after it
+        as ``state``; loss and steps not kept); it goes on to w_new by ``steps`` plain SGD
+        steps of ``ctx``'s local optimizer. Returns the upload it would have sent ending at
+        w_new (its ``gather`` values and ``state`` become the client's; ``state`` is
+        ``upload.state`` where nothing changes), and how this client's ``contribution``
+        changes: {name: new - old} for the one vector that changes, "delta" or the method's
+        only one besides "weight".
+        Default (a contribution linear in delta, nothing else depending on w): delta =
+        w_new - x, and "delta" changes by the contribution of w_new - w."""
+        change = self.contribution(replace(upload, delta=w_new - w))["delta"]
+        return replace(upload, delta=None if x is None else w_new - x), {"delta": change}
 
 
 REGISTRY: dict[str, type[Algorithm]] = {}

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import UsageError
 from . import server_opt
 from .base import register
 from .fedavg import FedAvg
@@ -59,6 +60,11 @@ class FedExP(FedAvg):
         if self.params.average_iterates:
             state["x_prev"] = x.clone()
         return state
+
+    def check_training(self, train):
+        if self.params.eps_decay and (train.lr_schedule != "exponential" or train.warmup_rounds):
+            raise UsageError("config field algorithm.eps_decay: needs train.lr_schedule = "
+                             "\"exponential\" without warm-up (eps^t shrinks by lr_decay^2t)")
 
     def epsilon(self, ctx) -> float:
         """eps^t: eps, times S and/or decay^{2t} when the code's options are on."""

@@ -3,7 +3,9 @@
 One step is: zero the flat gradient, forward, loss, backward (autograd writes into the
 flat gradient buffer), let the algorithm correct the gradient (proximal term, control
 variates, momentum: one vector operation each), clip it to ``clip_norm``, and step
-``w <- w - lr * (g + wd * w)``. A method whose gradient needs more than one backward
+``w <- w - lr * (g + wd * w)``; with ``train.momentum``, torch.optim.SGD's heavy-ball or
+Nesterov step on that, one vector operation more. ``lr`` follows the local schedule
+(fedmpi.algorithms.schedule). A method whose gradient needs more than one backward
 per step (SAM: a second pass at a perturbed point) replaces the first part with its own
 ``gradient_fn``. Weight decay sits outside the clipping, as in the authors'
 code (FL-Simulator, FedACG). No torch.optim: the step is two vector operations, and the
@@ -19,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..flat import FlatModel
+from . import schedule
 from .base import ClientTask, RoundContext, Upload
 
 # correction(grads, params) modifies the flat gradient in place before clipping.
@@ -29,8 +32,13 @@ GradientFn = Callable[[ClientTask, torch.Tensor, torch.Tensor, Callable], torch.
 
 
 def sgd_step(params: torch.Tensor, grads: torch.Tensor, lr: float, weight_decay: float,
-             clip_norm: float) -> None:
+             clip_norm: float, velocity: torch.Tensor | None = None, momentum: float = 0.0,
+             nesterov: bool = False) -> None:
     """w <- w - lr (clip(g) + wd w), in two passes over the buffer (norm, fused update).
+
+    With a ``velocity`` buffer: torch.optim.SGD's momentum (dampening 0) on what the plain
+    step would apply, v <- momentum v + clip(g) + wd w, then w <- w - lr v, or with
+    Nesterov w <- w - lr (clip(g) + wd w + momentum v).
 
     On the CPU the clip factor is read as a host scalar and folded into the update's
     alpha; on a GPU it stays a tensor so the loop never waits for the device.
@@ -42,9 +50,18 @@ def sgd_step(params: torch.Tensor, grads: torch.Tensor, lr: float, weight_decay:
             scale = min(1.0, clip_norm / (float(norm) + 1e-6))  # host sync: CPU only, no wait
         else:
             grads.mul_(torch.clamp(clip_norm / (norm + 1e-6), max=1.0))
+    if velocity is not None:
+        velocity.mul_(momentum).add_(grads, alpha=scale)
+        if weight_decay:
+            velocity.add_(params, alpha=weight_decay)
+        if not nesterov:
+            params.add_(velocity, alpha=-lr)
+            return
     if weight_decay:
         params.mul_(1.0 - lr * weight_decay)
     params.add_(grads, alpha=-lr * scale)
+    if velocity is not None:   # Nesterov's look-ahead term
+        params.add_(velocity, alpha=-lr * momentum)
 
 
 def cross_entropy(module, x, y) -> torch.Tensor:
@@ -89,15 +106,27 @@ def train(task: ClientTask, ctx: RoundContext, correction: Correction | None = N
     steps = 0
     if batches is None:
         batches = task.data.batches(ctx.local_epochs, ctx.batch_size)
+    lrs = step_lrs(task, ctx)
+    velocity = torch.zeros_like(flat.grads) if ctx.momentum else None
     for x, y in batches:
         loss = gradient_fn(task, x, y, loss_fn)
         if correction is not None:
             correction(flat.grads, flat.params[:flat.num_params])
-        sgd_step(flat.params[:flat.num_params], flat.grads, ctx.lr, ctx.weight_decay,
-                 ctx.clip_norm)
+        lr = ctx.lr if lrs is None else lrs[min(steps, len(lrs) - 1)]
+        sgd_step(flat.params[:flat.num_params], flat.grads, lr, ctx.weight_decay,
+                 ctx.clip_norm, velocity, ctx.momentum, ctx.nesterov)
         total += loss.detach()
         steps += 1
     return float(total) / max(steps, 1), steps  # host sync: once per client, its loss
+
+
+def step_lrs(task: ClientTask, ctx: RoundContext) -> list[float] | None:
+    """The learning rate of each of the client's local steps; None when all are ctx.lr."""
+    if schedule.constant_within_round(ctx):
+        return None
+    per_epoch = task.data.num_steps(1, ctx.batch_size)
+    total = task.data.num_steps(ctx.local_epochs, ctx.batch_size)
+    return [ctx.lr * schedule.local_factor(ctx, k, per_epoch, total) for k in range(max(total, 1))]
 
 
 def local_update(task: ClientTask, x: torch.Tensor, ctx: RoundContext,

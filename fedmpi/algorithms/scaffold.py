@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import local_sgd, server_opt
+from . import local_sgd, schedule, server_opt
 from .base import Algorithm, register
 from .params import Params, param
 
@@ -67,6 +67,9 @@ class Scaffold(Algorithm):
     def server_update(self, state, sums, gathered, ctx):
         super().server_update(state, sums, gathered, ctx)   # the plain mean: weights 1
         state["c"].add_(sums["delta_c"], alpha=1.0 / ctx.num_clients)
+
+    def check_training(self, train):
+        schedule.require_constant_local(train, "scaffold", "the control variate's K eta_l")
 
     def local_update(self, task, payload, client_state, ctx):
         x, c, c_i = payload["x"], payload["c"], client_state["c_i"]

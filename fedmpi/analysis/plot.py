@@ -109,6 +109,10 @@ def default_title(runs) -> str:
         values = {value(r.get(key)) for r in runs}
         if len(values) == 1 and runs[0].get(key) is not None:
             parts.append(fmt.format(values.pop()))
+    # per round is the expected count under bernoulli sampling: say which scheme when shared
+    sampling = {r.get("clients.sampling") or "uniform" for r in runs}
+    if len(sampling) == 1 and sampling != {"uniform"}:
+        parts.append(f"{sampling.pop()} sampling")
     return ", ".join(parts) or "test accuracy"
 
 

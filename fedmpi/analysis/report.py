@@ -64,8 +64,11 @@ def _experiment(config: dict) -> list[tuple[str, str]]:
     if kind is not None:
         lines.append(("partition", f"{kind} (alpha={alpha})" if alpha is not None and kind == "dirichlet" else str(kind)))
     clients, per_round = get_key(config, "clients.num"), get_key(config, "clients.per_round")
+    # clients.sampling: bernoulli makes per_round the expected count (the count varies)
+    sampling = get_key(config, "clients.sampling", "uniform")
+    how = {"bernoulli": " expected (bernoulli)", "size": " (size-weighted)"}.get(sampling, "")
     parts = [f"{clients} total" if clients is not None else None,
-             f"{per_round} per round" if per_round is not None else None]
+             f"{per_round}{how} per round" if per_round is not None else None]
     if any(parts):
         lines.append(("clients", ", ".join(p for p in parts if p)))
     return lines

@@ -18,10 +18,13 @@ Sections of a TOML file (every key optional)::
     [data]       dataset, data_dir, augment, crop_padding, flip, + dataset options
     [partition]  kind, + its parameters (dirichlet: alpha, min_size, ...), feature skew
                  (noise, noise_mode, brightness, saturation)
-    [clients]    num, per_round, replace_prob, replace_every
+    [clients]    num, per_round, sampling (uniform | bernoulli | size), empty_rounds
+                 (redraw | skip), replace_prob, replace_every
     [model]      name, channels_last, + model options (e.g. hidden = 256)
     [algorithm]  name, + algorithm parameters (e.g. mu = 0.01)
-    [train]      local_epochs, batch_size, lr, lr_decay, weight_decay, clip_norm, global_lr
+    [train]      local_epochs, batch_size, lr, lr_schedule, lr_decay, lr_step, lr_min,
+                 warmup_rounds, local_schedule, local_decay, local_warmup, momentum,
+                 nesterov, weight_decay, clip_norm, global_lr
     [eval]       every, batch_size, update_stats, and for self-supervised runs the probes
                  (probes, probe_every, linear_epochs, finetune_epochs, finetune_fractions,
                  local_spectra)

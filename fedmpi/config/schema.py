@@ -42,7 +42,19 @@ class PartitionConfig:
 @dataclass
 class ClientsConfig:
     num: int = 20                      # N, the client population
-    per_round: int = 5                 # S, clients sampled uniformly without replacement
+    per_round: int = 5                 # S, clients a round trains (bernoulli: the expected number)
+    sampling: str = "uniform"          # how S_t is drawn, keyed by (seed, round) alone:
+                                       # uniform: S distinct clients, every S-subset equally likely;
+                                       # bernoulli: each client independently with probability
+                                       # q = per_round / num, so |S_t| ~ Binomial(num, q) varies
+                                       # (FL-Simulator, the FedMIM/FedMRUR code); size: S distinct
+                                       # clients drawn one by one with probability proportional to
+                                       # their sample count among those left (successive sampling:
+                                       # inclusion is not exactly proportional to the count)
+    empty_rounds: str = "redraw"       # a bernoulli draw of nobody: redraw (draw again from the
+                                       # round's stream until someone is in) | skip (the round
+                                       # trains nobody: model and server state unchanged, the
+                                       # round is still evaluated and its lr still counts)
     replace_prob: float = 0.0          # dynamic population (FedACG Table 3): every replace_every
     replace_every: int = 0             # rounds each client is replaced with this probability by
                                        # a fresh one (new id, no state, fresh data); 0 = static
@@ -66,7 +78,23 @@ class TrainConfig:
     local_epochs: int = 1              # E
     batch_size: int = 32               # B
     lr: float = 0.05                   # eta_l, local learning rate of round 0
-    lr_decay: float = 1.0              # eta_l^t = lr * lr_decay^t
+    lr_schedule: str = "exponential"   # eta_l^t over rounds t = 0, 1, ...: exponential (lr *
+                                       # lr_decay^t) | step (lr * lr_decay^floor(t / lr_step)) |
+                                       # cosine (lr_min + (lr - lr_min)(1 + cos(pi t / rounds)) / 2)
+    lr_decay: float = 1.0              # the factor of exponential and step
+    lr_step: int = 1                   # step: rounds between two decays
+    lr_min: float = 0.0                # cosine: the floor
+    warmup_rounds: int = 0             # linear warm-up: eta_l^t times (t + 1) / warmup_rounds
+                                       # while t < warmup_rounds
+    local_schedule: str = "constant"   # within a client's K local steps k = 0..K-1: constant |
+                                       # step (x local_decay after every local epoch, as FedACG's
+                                       # code) | cosine (x (1 + cos(pi k / K)) / 2)
+    local_decay: float = 1.0           # the factor of local_schedule = step
+    local_warmup: int = 0              # linear warm-up over the first local steps of every client
+    momentum: float = 0.0              # local SGD momentum (torch.optim.SGD's: on the clipped
+                                       # gradient plus weight decay); the buffer starts at 0 in
+                                       # every local update (no algorithm keeps it across rounds)
+    nesterov: bool = False             # Nesterov momentum (needs momentum > 0)
     weight_decay: float = 0.0
     clip_norm: float = 10.0            # clip the local gradient to this L2 norm; 0 = off
     global_lr: float = 1.0             # eta_g

@@ -77,6 +77,7 @@ def resolve_and_validate(c: ExperimentConfig) -> None:
     _check_fixed(c, "")  # finite numbers, integers in range, no control characters
     if c.clients.per_round > c.clients.num:
         raise field_error("clients.per_round", f"{c.clients.per_round} exceeds clients.num = {c.clients.num}")
+    _validate_sampling(c)
     _one_of("data.dataset", c.data.dataset, DATASETS)
     _validate_device(c.system.device)
     _one_of("system.precision", c.system.precision, PRECISIONS)
@@ -84,6 +85,7 @@ def resolve_and_validate(c: ExperimentConfig) -> None:
     _validate_skew(c)
     _validate_modality(c)
     _validate_probes(c)
+    _validate_train(c)
     c.partition.params = partition_params(c.partition.kind, c.partition.params)
     check_dataset_options(c.data.dataset, c.data.options)
     _validate_data_options(c)
@@ -94,11 +96,32 @@ def resolve_and_validate(c: ExperimentConfig) -> None:
     check_scalar("partition", c.partition.params)
     check_scalar("model", c.model.options)
     c.algorithm.params = algorithms.resolved_params(c.algorithm.name, c.algorithm.params,
-                                                    c.model.options)
+                                                    c.model.options, c.train)
     if algorithms.REGISTRY[c.algorithm.name].needs_public and not c.data.public_size:
         raise field_error("data.public_size", f"algorithm {c.algorithm.name!r} needs a server-"
                           f"side public set; set it > 0 (fnrfl_fmnist uses 320)")
     _validate_paths(c)
+
+
+def _validate_train(c: ExperimentConfig) -> None:
+    """The local optimizer: schedules by name, their parameters in range."""
+    from ..algorithms.schedule import LOCAL_SCHEDULES, ROUND_SCHEDULES
+
+    tr = c.train
+    _one_of("train.lr_schedule", tr.lr_schedule, ROUND_SCHEDULES)
+    _one_of("train.local_schedule", tr.local_schedule, LOCAL_SCHEDULES)
+    _positive("train.lr_step", tr.lr_step)
+    _positive("train.local_decay", tr.local_decay)
+    for name in ("lr_min", "warmup_rounds", "local_warmup", "momentum"):
+        _positive(f"train.{name}", getattr(tr, name), allow_zero=True)
+    if tr.lr_schedule == "cosine" and tr.lr_min > tr.lr:
+        raise field_error("train.lr_min", f"must be <= train.lr = {tr.lr} (the cosine "
+                                          f"schedule decays from lr to lr_min), got {tr.lr_min}")
+    if tr.momentum >= 1:
+        raise field_error("train.momentum", f"must be in [0, 1), got {tr.momentum}")
+    if tr.nesterov and not tr.momentum:
+        raise field_error("train.nesterov", "needs train.momentum > 0 (Nesterov is a kind of "
+                                            "momentum)")
 
 
 def _check_fixed(obj, prefix: str) -> None:
@@ -185,6 +208,15 @@ def _validate_skew(c: ExperimentConfig) -> None:
     if (cl.replace_prob > 0) != (cl.replace_every > 0):
         raise field_error("clients.replace_prob", "a dynamic population needs both clients.replace_prob "
                           "> 0 and clients.replace_every > 0 (rounds between replacements)")
+
+
+def _validate_sampling(c: ExperimentConfig) -> None:
+    """Client sampling by name (fedmpi.runtime.plan.sample_clients); clients.per_round is
+    in 1..clients.num for every scheme (bernoulli: the expected count, q = per_round / num)."""
+    from ..runtime.plan import EMPTY_ROUNDS, SAMPLING
+
+    _one_of("clients.sampling", c.clients.sampling, SAMPLING)
+    _one_of("clients.empty_rounds", c.clients.empty_rounds, EMPTY_ROUNDS)
 
 
 PROBES = ("linear", "finetune", "spectrum")

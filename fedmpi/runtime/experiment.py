@@ -6,7 +6,9 @@ identities, so ``fedmpi run`` without mpirun is the same program as an MPI run.
 
 A round, numbered as in ``_round``:
 
-1. sample: the server draws S_t (keyed by seed and round; the same for any layout);
+1. sample: the server draws S_t (keyed by seed and round; the same for any layout) by
+   ``clients.sampling``; a Bernoulli draw may be empty (``clients.empty_rounds = "skip"``):
+   then every phase is empty, nobody trains and the server state stays as it is;
 2. per phase (fedmpi.runtime.phase): place and announce, broadcast the payload, train,
    reduce the sums and gather the client rows and states, apply the server update;
 3. evaluate, on evaluation rounds: workers score test chunks;
@@ -159,10 +161,15 @@ class Experiment:
             self._record(t + 1, row, ranks, rows)
 
     def _sample(self, t: int):
-        cfg = self.config
+        """S_t: slots drawn by ``clients.sampling`` (size: weighted by the sample counts of
+        the clients that hold the slots in round t), then the identities in those slots."""
+        cfg, c = self.config, self.config.clients
         if not self.comm.is_server:
             return None
-        return self.split.sample(sample_clients(cfg.seed, t, cfg.clients.num, cfg.clients.per_round), t)
+        sizes = self.sizes[self.split.active(t)] if c.sampling == "size" else None
+        slots = sample_clients(cfg.seed, t, c.num, c.per_round, c.sampling, sizes=sizes,
+                               empty=c.empty_rounds)
+        return self.split.sample(slots, t)
 
     def _phase(self, t, p, phase, sampled, timers, traffic):
         """One phase over the comm (fedmpi.runtime.phase); the server keeps its diagnostics."""

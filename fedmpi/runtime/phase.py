@@ -21,9 +21,11 @@ import numpy as np
 import torch
 
 from .. import algorithms
+from ..algorithms import schedule
+from ..flat import WIRE_BYTES
 from . import gram
 from .plan import place
-from .records import WIRE_BYTES, Timers, Traffic
+from .records import Timers, Traffic
 from .stats import STAT_SIZES_KEYS, stat_contribution
 
 ROW = ["client", "rank", "n_samples", "steps", "train_loss", "update_norm", "seconds"]
@@ -69,6 +71,8 @@ class Phases:
         to count as evaluation rather than compute (FedU^2's local spectra)."""
         comm, alg = self.comm, self.alg
         participants, assignment, payload = self.announce(state, t, phase, sampled, stop)  # 1
+        if payload is None:   # an empty round: nobody trains, nothing to sum or update
+            return self.empty(p, phase) if comm.is_server else None
         ctx = self.context(t, phase, participants)
         states = self.scatter_states(assignment)
         t0 = time.perf_counter()
@@ -101,17 +105,26 @@ class Phases:
         return PhaseResult(sums, gathered, stats, diagnostics, rows)
 
     def announce(self, state, t, phase, sampled, stop):
-        """Server -> all: participants, placement and the payload (one flat buffer)."""
+        """Server -> all: participants, placement and the payload (one flat buffer).
+
+        An empty S_t (``clients.empty_rounds = "skip"``) empties every phase of the round,
+        whatever ``phase_participants`` would pick: the plan says so (no payload spec,
+        payload None on every rank) and nothing else is sent."""
         comm, head, buf = self.comm, None, None
         if comm.is_server:
-            participants = np.asarray(self.alg.phase_participants(state, phase, sampled))
-            payload = self.alg.payload(state, self.context(t, phase, participants))
-            spec = [(k, v.numel()) for k, v in payload.items()]
+            if len(sampled):
+                participants = np.asarray(self.alg.phase_participants(state, phase, sampled))
+                payload = self.alg.payload(state, self.context(t, phase, participants))
+                spec = [(k, v.numel()) for k, v in payload.items()]
+                buf = torch.cat([v.reshape(-1).to(torch.float32) for v in payload.values()])
+            else:
+                participants, spec = np.zeros(0, dtype=np.int64), None
             head = (stop, participants, place(participants, self.steps, comm.num_workers), spec)
-            buf = torch.cat([v.reshape(-1).to(torch.float32) for v in payload.values()])
         stop, participants, assignment, spec = comm.bcast_obj(head)
         if stop:
             raise StopRun(stop)
+        if spec is None:
+            return participants, assignment, None
         if buf is None:
             buf = torch.empty(sum(n for _, n in spec), dtype=torch.float32)
         comm.bcast(buf)
@@ -185,11 +198,23 @@ class Phases:
                 return None
         return split(total, list(sizes.items()), torch.device("cpu"))
 
+    def empty(self, p: int, phase: str) -> PhaseResult:
+        """The server's result of a phase nobody took part in: no sums, no rows, no
+        server_update (the global model and the server state stay as they are)."""
+        gathered = self.columns(np.zeros((0, self.row_width(phase))), phase)
+        rows = {**self.unused_columns(phase, 0), **gathered, "phase": np.full(0, p),
+                "bytes_down": np.full(0, 0), "bytes_up": np.full(0, 0)}
+        return PhaseResult({}, gathered, [], {}, rows)
+
     def collect_rows(self, rows, phase: str) -> dict | None:
         parts = self.comm.gatherv(rows.reshape(-1))
         if not self.comm.is_server:
             return None
-        table = np.concatenate(parts).reshape(-1, self.row_width(phase))
+        return self.columns(np.concatenate(parts).reshape(-1, self.row_width(phase)), phase)
+
+    def columns(self, table: np.ndarray, phase: str) -> dict:
+        """A gathered table (one ROW + gathered fields per client) as named columns, in
+        client order."""
         table = table[np.argsort(table[:, 0], kind="stable")]
         out = {name: table[:, i] for i, name in enumerate(ROW)}
         col = len(ROW)
@@ -249,12 +274,15 @@ class Phases:
 
 def round_context(config, t, phase, participants) -> algorithms.RoundContext:
     tr = config.train
-    lr = tr.lr * tr.lr_decay ** t
+    lr = schedule.round_lr(tr, t, config.rounds)
     return algorithms.RoundContext(
-        round=t, phase=phase, lr=lr, lr_prev=lr / tr.lr_decay, global_lr=tr.global_lr,
+        round=t, phase=phase, lr=lr, lr_prev=schedule.previous_lr(tr, t, config.rounds, lr),
+        global_lr=tr.global_lr,
         weight_decay=tr.weight_decay, clip_norm=tr.clip_norm, local_epochs=tr.local_epochs,
         batch_size=tr.batch_size, num_clients=config.clients.num,
-        participants=tuple(int(c) for c in participants), seed=config.seed)
+        participants=tuple(int(c) for c in participants), seed=config.seed,
+        momentum=tr.momentum, nesterov=tr.nesterov, local_schedule=tr.local_schedule,
+        local_decay=tr.local_decay, local_warmup=tr.local_warmup)
 
 
 class Contributions:

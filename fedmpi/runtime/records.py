@@ -3,6 +3,7 @@ that go into the results file (/rounds, /ranks, /clients)."""
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import astuple, dataclass
 
@@ -10,6 +11,7 @@ import numpy as np
 import torch
 
 from .. import signals
+from ..algorithms import schedule
 
 ROUND_FIELDS = ["round", "time_wall", "time_compute", "time_compute_min", "time_comm",
                 "time_idle", "time_aggregate", "time_eval", "lr", "train_loss", "test_loss",
@@ -20,7 +22,6 @@ CLIENT_FIELDS = ["round", "phase", "client", "rank", "n_samples", "steps", "trai
                  "update_norm", "seconds", "bytes_down", "bytes_up"]
 RANK_FIELDS = ["round", "rank", "bytes_sent", "bytes_received", "seconds_compute",
                "seconds_idle", "seconds_comm"]
-WIRE_BYTES = 4  # float32 on the simulated wire
 
 
 @dataclass
@@ -77,18 +78,21 @@ def rank_columns(round_: int, ranks: np.ndarray) -> dict[str, np.ndarray]:
 
 def round_row(config, t, wall, timers: Timers, ranks, rows, traffic: Traffic, acc, test_loss,
               x_after, x_before, diagnostics, multi_rank: bool) -> dict:
-    """Round t's /rounds row on the server; ``rows``: each phase's client columns."""
+    """Round t's /rounds row on the server; ``rows``: each phase's client columns. A round
+    nobody took part in (``clients.empty_rounds = "skip"``) has n_participants 0, FL bytes
+    0, update_norm 0 and train_loss NaN."""
     workers = ranks[1:] if multi_rank else ranks
     first = rows[0]
     weights = first["n_samples"]
-    train_loss = float(np.sum(first["train_loss"] * weights) / max(weights.sum(), 1))
+    train_loss = float(np.sum(first["train_loss"] * weights) / max(weights.sum(), 1)) \
+        if len(weights) else math.nan
     return {
         "round": t + 1, "time_wall": time.perf_counter() - wall,
         "time_compute": float(workers["seconds_compute"].max()),
         "time_compute_min": float(workers["seconds_compute"].min()),
         "time_comm": float(ranks["seconds_comm"][0]), "time_idle": float(ranks["seconds_idle"][0]),
         "time_aggregate": timers.aggregate, "time_eval": timers.eval,
-        "lr": config.train.lr * config.train.lr_decay ** t,
+        "lr": schedule.round_lr(config.train, t, config.rounds),
         "train_loss": train_loss, "test_loss": test_loss, "test_acc": acc,
         "fl_bytes_down": traffic.down, "fl_bytes_up": traffic.up,
         "mpi_bytes": float(ranks["bytes_sent"].sum()),
