@@ -1,6 +1,8 @@
 """FNR-FL: the two phases against a numpy re-derivation on quadratic
-clients with a probe model, the faithful regulariser's zero gradient, the base plug-in,
-exact per-phase FL bytes, and the real runtime single process vs mpirun -n 3."""
+clients with a probe model, the faithful regulariser's zero gradient, the base plug-in
+(the refined models merged through SCAFFOLD's, FedNova's and FedDyn's own aggregation,
+by hand), the public set read without augmentation, exact per-phase FL bytes, and the
+real runtime single process vs mpirun -n 3."""
 
 import math
 import sys
@@ -105,6 +107,9 @@ def reference(rounds, x0, lr, p, lam, E_re, over="unselected", mu=0.0):
     return log
 
 
+CLIENT_STATES = {}   # the last run_probe's client states
+
+
 def run_probe(params, rounds=2, lr=0.3):
     tasks = {c: probe_task(c) for c in CENTERS}
     sim = Simulation(build("fnrfl", {"num_classes": 2, **params}), tasks, x0=[0.2, 0.1])
@@ -113,6 +118,8 @@ def run_probe(params, rounds=2, lr=0.3):
         diag = sim.round(sorted(CENTERS), t=t, lr=lr)
         out.append((sim.state["x"].numpy().copy(), {k: dict(v) for k, v in sim.last.items()}, diag,
                     {k: v.clone() for k, v in sim.state.items()}))
+    CLIENT_STATES.clear()
+    CLIENT_STATES.update(sim.client_states)
     return out
 
 
@@ -212,8 +219,161 @@ def test_constant_penalty_by_hand():
     assert float(fn.constant_penalty(y, torch.tensor([2.0, -4.0, 9.0, 8.0]))) == pytest.approx(0.5 * 2 - 0.25 * 4 + 0.25 * 8)
 
 
+# ---- the merge through the base's own aggregation ---------------------------------------
+
+def base_reference(base, rounds, x0, lr, p, E_re, alpha=0.1, N=10, substitute=True):
+    """SCAFFOLD, FedNova or FedDyn on the probe clients (all five each round), the refined
+    models put in place of the trained ones in the base's own server rule, float64.
+    ``substitute`` False: the base's round without the refined models (a control)."""
+    x, c, h = (np.asarray(x0, dtype=np.float64), np.zeros(2), np.zeros(2))
+    clients = sorted(CENTERS)
+    c_i = {i: np.zeros(2) for i in clients}
+    grad_l = {i: np.zeros(2) for i in clients}
+    n = np.array([SIZES[i] for i in clients], dtype=np.float64)
+    log = []
+    for _ in range(rounds):
+        w, dc = {}, {}
+        for i in clients:
+            v, center = x.copy(), np.array(CENTERS[i])
+            for _ in range(STEPS[i]):
+                g = v - center
+                if base == "scaffold":
+                    g = g + c - c_i[i]
+                if base == "feddyn":
+                    g = g + alpha * (v - x) - grad_l[i]
+                v = v - lr * g
+            w[i] = v
+            if base == "scaffold":
+                new = c_i[i] - c + (x - v) / (STEPS[i] * lr)
+                dc[i], c_i[i] = new - c_i[i], new
+            if base == "feddyn":
+                grad_l[i] = grad_l[i] - alpha * (v - x)
+        A = np.array([norms_and_accuracy(w[i])[1] for i in clients])
+        chosen = [clients[j] for j in np.sort(np.argsort(A, kind="stable")[:math.floor(5 * p)])]
+        final, a = dict(w), {i: float(STEPS[i]) for i in clients}
+        for j in chosen if substitute else []:
+            v = w[j].copy()
+            for _ in range(E_re * PUBLIC_STEPS):           # the refinement: plain GD steps
+                v = v - lr * (v - np.array(CENTERS[j]))
+            final[j] = v
+            a[j] += E_re * PUBLIC_STEPS                     # FedNova: a_re of plain SGD = K_re
+            if base == "feddyn":
+                grad_l[j] = grad_l[j] - alpha * (v - w[j])  # = old grad_l - alpha (w_j' - x)
+        W = np.array([final[i] for i in clients])
+        if base == "scaffold":       # x += mean_S (y_i - x), c += sum Delta c / N
+            x, c = x + (W - x).mean(axis=0), c + sum(dc.values()) / N
+        elif base == "fednova":      # x -= tau_eff sum p_i d_i, d_i = (x - w_i) / a_i
+            q, av = n / n.sum(), np.array([a[i] for i in clients])
+            x = x - (q @ av) * (q[:, None] * (x - W) / av[:, None]).sum(axis=0)
+        else:                        # FedDyn: h -= alpha/N sum (w_i - x), x = mean w - h/alpha
+            h = h - alpha / N * (W - x).sum(axis=0)
+            x = W.mean(axis=0) - h / alpha
+        log.append({"x": x.copy(), "c": c.copy(), "h": h.copy(), "chosen": chosen,
+                    "c_i": {i: v.copy() for i, v in c_i.items()},
+                    "grad_l": {i: v.copy() for i, v in grad_l.items()},
+                    "a": [a[i] for i in chosen]})
+    return log
+
+
+@pytest.mark.parametrize("base", ["scaffold", "fednova", "feddyn"])
+def test_refined_models_go_through_the_base_aggregation(base):
+    """Two rounds (the second starts from the merged x, c_i, grad L_i): x and the base's
+    server state are the base's rule with w_j' in place of w_j, by hand."""
+    got = run_probe({"base": base, "p": 0.5, "refine_epochs": 2})
+    ref = base_reference(base, 2, [0.2, 0.1], lr=0.3, p=0.5, E_re=2)
+    plain = base_reference(base, 2, [0.2, 0.1], lr=0.3, p=0.5, E_re=2, substitute=False)
+    for t, ((x, last, diag, state), r) in enumerate(zip(got, ref)):
+        assert state["fnr_selected"].tolist() == r["chosen"] and len(r["chosen"]) == 2
+        np.testing.assert_allclose(x, r["x"], rtol=1e-5, atol=1e-6)
+        assert not np.allclose(x, plain[t]["x"], rtol=1e-3)   # the refinement moved it
+        if base == "scaffold":      # c and c_i: the train phase's (Delta c_j unchanged)
+            np.testing.assert_allclose(state["c"].numpy(), r["c"], rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(state["c"].numpy(), plain[t]["c"] if t == 0 else r["c"],
+                                       rtol=1e-5, atol=1e-6)
+        if base == "feddyn":        # h, each grad L_i, and h = (1/N) sum_i grad L_i
+            np.testing.assert_allclose(state["h"].numpy(), r["h"], rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(state["h"].numpy(), sum(r["grad_l"].values()) / 10,
+                                       rtol=1e-5, atol=1e-6)
+        if base == "fednova":       # a_j' = a_j + K_re in the refine rows, and tau_eff
+            np.testing.assert_allclose(last["refine"]["gathered"]["a"], r["a"])
+            q = np.array([SIZES[i] for i in sorted(CENTERS)], dtype=float)
+            a = {i: STEPS[i] + (2 * PUBLIC_STEPS if i in r["chosen"] else 0) for i in CENTERS}
+            tau = q @ np.array([a[i] for i in sorted(CENTERS)]) / q.sum()
+            assert diag["tau_eff"] == pytest.approx(tau)
+    if base in ("scaffold", "feddyn"):   # the carried client states after round 2
+        key = {"scaffold": "c_i", "feddyn": "grad_l"}[base]
+        for i in CENTERS:
+            np.testing.assert_allclose(CLIENT_STATES[i][key].numpy(), ref[-1][key][i],
+                                       rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("base", ["fedavg", "fedprox", "fedsam", "fedavgm", "fedadam", "scaffold",
+                                  "fedacg", "fednova", "feddyn"])
+def test_merge_is_the_base_server_update_on_the_substituted_uploads(base):
+    """Round 2 (server momenta, c, h already non-zero): the global model and the server
+    state are the base's own contribution and server_update, from the state before the
+    round, on the train uploads with Delta_j + (w_j' - w_j) for the refined j (FedNova:
+    with the refine rows' a_j')."""
+    from harness import context
+
+    alg = build("fnrfl", {"num_classes": 2, "base": base, "p": 0.5, "refine_epochs": 2})
+    sim = Simulation(alg, {c: probe_task(c) for c in CENTERS}, x0=[0.2, 0.1])
+    sim.round(sorted(CENTERS), t=0, lr=0.3)
+    state = {k: v.clone() for k, v in sim.state.items() if not k.startswith("fnr_")}
+    sim.round(sorted(CENTERS), t=1, lr=0.3)
+    train, refine = sim.last["train"]["uploads"], sim.last["refine"]["uploads"]
+    assert len(refine) == 2
+    own, sums, a = build(base, alg.params.base_params), {}, []
+    for c, up in sorted(train.items()):
+        extras = dict(up.extras)
+        if c in refine:
+            extras.update({k: refine[c].extras[k] for k in ("a",) if k in refine[c].extras})
+            up = Upload(delta=up.delta + refine[c].delta, num_samples=up.num_samples, loss=0.0,
+                        steps=up.steps, extras=extras)
+        a.append(float(extras.get("a", torch.zeros(1))))
+        for k, v in own.contribution(up).items():
+            sums[k] = sums.get(k, 0) + v
+    clients = sorted(train)
+    gathered = {"client": np.array(clients, dtype=float), "a": np.array(a),
+                "n_samples": np.array([train[c].num_samples for c in clients], dtype=float),
+                "steps": np.array([train[c].steps for c in clients], dtype=float)}
+    own.server_update(state, sums, gathered, context(1, clients, lr=0.3))
+    for k, v in state.items():
+        np.testing.assert_allclose(sim.state[k].numpy(), v.numpy(), rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+@pytest.mark.parametrize("base", ["scaffold", "fednova", "feddyn", "moon"])
+def test_p_zero_is_each_base_bit_for_bit(base):
+    """Nobody refined: the round is the base's own, not a re-run of it."""
+    if base == "moon":   # MOON needs a projection head, the probe has none: declarations only
+        alg = build("fnrfl", {"base": "moon", "p": 0.0})
+        assert alg.client_state_sizes(7) == {"prev_model": 7, "has_prev": 1, "fnr_model": 7}
+        return
+    fnr = run_probe({"base": base, "p": 0.0}, rounds=2)
+    tasks = {c: probe_task(c) for c in CENTERS}
+    own = Simulation(build(base, {}), tasks, x0=[0.2, 0.1])
+    for t, (x, _, _, state) in enumerate(fnr):
+        own.round(sorted(CENTERS), t=t, lr=0.3)
+        assert np.array_equal(x, own.state["x"].numpy())
+        for k in own.state:
+            assert torch.equal(state[k], own.state[k]), k
+
+
+def test_refine_declarations_per_base():
+    alg = build("fnrfl", {"num_classes": 10, "base": "fednova"})
+    assert alg.traffic(1000, "refine") == (10, 1001)      # w_j' - w_j and a_j'
+    assert alg.gather_sizes(1000, "refine") == {"fnr_penalty": 1, "a": 1}
+    assert alg.client_state_sizes(1000) == {"fnr_model": 1000, "fnr_a": 1}
+    for base in ("scaffold", "feddyn", "fedavg", "fedprox"):
+        assert build("fnrfl", {"num_classes": 10, "base": base}).traffic(1000, "refine") == (10, 1000)
+
+
 @pytest.mark.parametrize("params, message", [
     ({"base": "fnrfl"}, "algorithm.base"), ({"base": "nope"}, "algorithm.base"),
+    ({"base": "fedcm"}, r"^config field algorithm.base: 'fedcm' is not supported; choose one of "
+                        r"fedavg, fedprox, fedsam, fedavgm, fedadam, moon, scaffold, fedacg, "
+                        r"fednova, feddyn \(the bases whose aggregation the refined models can go "
+                        r"through\)$"),
     ({"base_params": {"mu": -1.0}}, "algorithm.base_params"),
     ({"base": "fedprox", "base_params": {"nu": 1.0}}, "algorithm.base_params"),
     ({"p": 1.5}, "algorithm.p"), ({"lam": -1.0}, "algorithm.lam"),
@@ -235,6 +395,15 @@ def test_base_params_resolve_and_round_trip_through_toml():
     assert cfg.from_dict(fedprox).algorithm.params["base_params"] == {"mu": 0.01}   # written out
     again = cfg.from_dict(tomllib.loads(cfg.to_toml(c.to_dict())))
     assert again.algorithm.params == c.algorithm.params
+
+
+def test_the_base_checks_the_local_optimizer_at_config_time():
+    """FNR-FL over SCAFFOLD refuses what SCAFFOLD refuses (a local schedule)."""
+    fnr = {"algorithm": {"name": "fnrfl", "base": "scaffold"}, "data": {"public_size": 100}}
+    with pytest.raises(UsageError, match=r"^config field train.local_schedule: 'cosine' is not "
+                                         r"allowed with scaffold"):
+        cfg.from_dict({**fnr, "train": {"local_schedule": "cosine"}})
+    cfg.from_dict({**fnr, "algorithm": {"name": "fnrfl"}, "train": {"local_schedule": "cosine"}})
 
 
 def test_no_public_set_is_refused_at_config_time(tmp_path):
@@ -297,6 +466,28 @@ def test_runtime_fl_bytes_and_refined_clients(tmp_path):
             assert np.all(np.isfinite(clients["fnr_penalty"][refine]))
 
 
+@pytest.mark.parametrize("base", ["fednova", "feddyn"])
+def test_runtime_with_a_stateful_or_normalised_base(tmp_path, base):
+    """The real runtime: FedNova's refine sends d + 1 (w_j' - w_j, a_j' in the "a" column of
+    the refine rows, a_j + K_re); FedDyn's grad L_j goes through the client store."""
+    fnr = {**TINY_FNR, "rounds": 1, "algorithm": {"name": "fnrfl", "base": base, "refine_epochs": 1}}
+    c, exp, run = run_tiny(tmp_path, base, **fnr)
+    with run:
+        d, s, C = exp.d, c.clients.per_round, 10
+        r, extra = math.floor(s * 0.5), int(base == "fednova")
+        up = (s * (d + C + 1 + extra) + r * (d + extra)) * 4
+        assert run.rounds()["fl_bytes_up"].tolist() == [0, up]
+        assert np.all(np.isfinite(run.model()))
+        clients = run.clients()
+        refine = clients["phase"] == 1
+        assert refine.sum() == r and np.all(clients["bytes_up"][refine] == (d + extra) * 4)
+        if base == "fednova":
+            train = clients["phase"] == 0
+            a = dict(zip(clients["client"][train], clients["a"][train]))
+            for j, a_new, k in zip(*(clients[f][refine] for f in ("client", "a", "steps"))):
+                assert a_new == a[j] + k     # plain SGD: a = steps
+
+
 def test_runtime_faithful_lambda_changes_nothing_but_the_logged_loss(tmp_path):
     det = {"deterministic": True}
     _, _, a = run_tiny(tmp_path, "lam0", **{**TINY_FNR, "algorithm": {"name": "fnrfl", "lam": 0.0}}, system=det)
@@ -312,13 +503,52 @@ def test_runtime_faithful_lambda_changes_nothing_but_the_logged_loss(tmp_path):
         assert np.array_equal(avg.model(), fedavg.model())   # p = 0: an empty refine phase
 
 
+def test_public_set_is_read_without_augmentation_whatever_data_augment_says(tmp_path):
+    """F_i, A_i and the refinement read D_pub as the authors' code does (test transform, no
+    crop/flip): with data.augment on they are bit for bit what they are with it off, on the
+    same model, while the clients' own batches are augmented."""
+    from fedmpi.comm import LocalComm
+    from fedmpi.runtime.experiment import Experiment
+    from fedmpi.runtime.phase import round_context
+
+    from helpers import merged
+
+    out, w = {}, None
+    for augment in (False, True):
+        c = cfg.from_dict(merged(**{**TINY_FNR, "output": str(tmp_path / f"{augment}.h5"),
+                                    "algorithm": {"name": "fnrfl", "refine_epochs": 1},
+                                    "data": {"public_size": 100, "augment": augment,
+                                             "crop_padding": 2}}))
+        exp = Experiment(c, LocalComm(), quiet=True)
+        exp.setup()   # the world and the tasks, no round
+        exp._release()
+        w = exp.flat.params.detach().clone() if w is None else w   # one model for both
+        exp.flat.load(w)
+        client, t, phase = 3, 1, 1
+        ctx = round_context(c, t, "refine", [client])
+        task = exp._task(client, ctx, phase)
+        norms, acc = fn.class_feature_norms(exp.flat.module, task.public, 10)
+        payload = {"fnr_clients": torch.tensor([float(client)]), "fnr_signal": torch.linspace(-1, 1, 10)}
+        refined = exp.alg.local_update(task, payload, {"fnr_model": w.clone()}, ctx)
+        out[augment] = {"public": [x for x, _ in task.public.batches(1, 64)], "norms": norms,
+                        "acc": acc, "refined": refined.delta, "loss": refined.loss,
+                        "own": [x for x, _ in task.data.batches(1, 64)]}
+    plain, augmented = out[False], out[True]
+    assert all(torch.equal(a, b) for a, b in zip(plain["public"], augmented["public"]))
+    assert torch.equal(plain["norms"], augmented["norms"]) and plain["acc"] == augmented["acc"]
+    assert torch.equal(plain["refined"], augmented["refined"]) and plain["loss"] == augmented["loss"]
+    assert not all(torch.equal(a, b) for a, b in zip(plain["own"], augmented["own"]))
+
+
 @pytest.mark.slow
 @needs_mpi
-def test_mpirun_3_is_bitwise_the_single_process_run(tmp_path):
+@pytest.mark.parametrize("base", ["fedavg", "fednova"])
+def test_mpirun_3_is_bitwise_the_single_process_run(tmp_path, base):
     det = {"deterministic": True}
-    _, _, single = run_tiny(tmp_path, "single", **TINY_FNR, system=det)
+    fnr = {**TINY_FNR, "algorithm": {"name": "fnrfl", "base": base}}
+    _, _, single = run_tiny(tmp_path, "single", **fnr, system=det)
     from helpers import write_config
-    config = write_config(tmp_path / "fnr.toml", **TINY_FNR, system=det)
+    config = write_config(tmp_path / "fnr.toml", **fnr, system=det)
     mpirun(3, [sys.executable, "-m", "fedmpi", "run", "-q", str(config), "-o", str(tmp_path / "n3.h5")])
     with single, RunFile(tmp_path / "n3.h5") as b:
         assert b.attrs["world_size"] == 3

@@ -71,3 +71,10 @@ class FedDyn(Algorithm):
 
     def contribution(self, upload):
         return {"delta": upload.delta}
+
+    def refined_upload(self, upload, x, w, w_new, steps, ctx):
+        """FNR-FL: "delta" as by default, and grad L_i <- grad L_i - alpha (w_new - w), what
+        the client rule gives with w_new (so h stays the mean of the clients' grad L_i)."""
+        new, change = super().refined_upload(upload, x, w, w_new, steps, ctx)
+        new.state = {"grad_l": upload.state["grad_l"] - self.params.alpha * (w_new - w)}
+        return new, change

@@ -15,18 +15,21 @@ state. [code: NIID-Bench train_net_fednova, in LonelyMoonDesert/FNR-FL train.py]
 
 Momentum accumulates the corrected loss gradient before clipping (v <- rho v + g, step
 with v); weight decay stays outside it as in every fedmpi step, and a_i counts neither
-weight decay nor clipping. The paper gives a_i for momentum or prox, not both, so rho
+weight decay nor clipping. ``train.momentum`` instead of ``rho`` is the shared local
+optimizer's momentum (after clipping, as torch.optim.SGD under NIID-Bench's clip-free
+loop); a_i then takes it as rho. The paper gives a_i for momentum or prox, not both, so rho
 and mu are not accepted together.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
-from . import local_sgd
+from ..errors import UsageError
+from . import local_sgd, schedule
 from .base import Algorithm, register
 from .fedprox import proximal
 from .params import Params, param, param_error
@@ -68,6 +71,14 @@ class FedNova(Algorithm):
                 raise param_error("mu", "must be 0 when algorithm.rho > 0 "
                                         "(a_i is defined for momentum or prox, not both)")
 
+    def check_training(self, train):
+        schedule.require_constant_local(train, "fednova", "a_i")
+        if train.momentum and (self.params.rho or self.params.mu):
+            which = "rho" if self.params.rho else "mu"
+            raise UsageError(f"config field algorithm.{which}: must be 0 with train.momentum = "
+                             f"{train.momentum} (a_i then counts train.momentum as rho; one "
+                             f"momentum, and no prox with it)")
+
     def traffic(self, d, phase):
         return d, d + 1
 
@@ -98,7 +109,7 @@ class FedNova(Algorithm):
         elif p.mu:
             correction = proximal(p.mu, x[:task.model.num_params])
         upload = local_sgd.local_update(task, x, ctx, correction)
-        a = normalizer(upload.steps, p.rho, ctx.lr * p.mu)
+        a = normalizer(upload.steps, p.rho or ctx.momentum, ctx.lr * p.mu)
         upload.extras["a"] = torch.tensor([a], dtype=torch.float64)
         return upload
 
@@ -111,3 +122,13 @@ class FedNova(Algorithm):
 
     def gather(self, upload):
         return {"a": upload.extras["a"]}
+
+    def refined_upload(self, upload, x, w, w_new, steps, ctx):
+        """FNR-FL: a' = a + a_re, a_re this normaliser of the refinement's plain SGD steps
+        (``train.momentum`` as rho: rho and mu act only in this method's own steps), and
+        n d = -n (w_new - x) / a' in place of -n (w - x) / a."""
+        a = float(upload.extras["a"].reshape(-1)[0])   # host sync: once per refined client
+        a_new = torch.tensor([a + normalizer(steps, ctx.momentum)], dtype=torch.float64)
+        new = replace(upload, delta=w_new - x, extras={**upload.extras, "a": a_new})
+        return new, {"normalized": self.contribution(new)["normalized"]
+                     - self.contribution(upload)["normalized"]}

@@ -1,9 +1,9 @@
 """FNR-FL: Feature Norm Regularized Federated Learning.
 
 Full title: "... Transforming Skewed Distributions into Global Insights". Hu, Qiu and
-Tang, 2023, https://arxiv.org/abs/2312.06951 (code LonelyMoonDesert/FNR-FL).
-A plug-in over a base method (FedAvg, FedProx, SCAFFOLD, MOON,
-FedNova): ``base`` names it, ``base_params`` are its parameters.
+Tang, 2023, https://arxiv.org/abs/2312.06951 (code LonelyMoonDesert/FNR-FL, on NIID-Bench).
+A plug-in over a base method (BASES: fedavg, fedprox, fedsam, fedavgm, fedadam, moon,
+scaffold, fedacg, fednova, feddyn); ``base`` names it, ``base_params`` are its parameters.
 
 Phase "train" (all sampled S): the base's local update (E_train = train.local_epochs),
 then on the public set D_pub the class-average feature norms F_i[l] = mean ||phi(x)||_2
@@ -12,13 +12,36 @@ lowest A_i (ties: lower id), and for j in S_re
     Delta_j[l] = sum_{m in S \\ S_re} (F_m[l] - F_j[l])   (paper Alg. 2; code: all m != j).
 Phase "refine" (S_re): E_re epochs on D_pub batches B of
     CE(w_j; B) + lambda sum_{l in B} (n_l(B)/|B|) Delta_j[l]
-from the client's own trained w_j; the refined models replace w_j in
-w^{t+1} = sum_i (n_i / sum n) w_i, i.e. x += eta_g sum_j n_j (w_j' - w_j) / sum_S n.
-The paper's term is a constant (zero gradient); ``regularizer = "differentiable"`` is
-our extension (NOT in the paper): lambda sum_l rho_l (Fbar_j[l] - F_j^B[l])^2.
+from the client's own trained w_j. The paper's term is a constant (zero gradient);
+``regularizer = "differentiable"`` is our extension (NOT in the paper):
+lambda sum_l rho_l (Fbar_j[l] - F_j^B[l])^2.
 
-w_j stays on the client between the phases (client state "fnr_model", d), so the honest
-traffic is: train = the base's + (C + 1) up; refine = C down (Delta_j), d up (w_j').
+D_pub is read without the training augmentation whatever ``data.augment`` says (F_i, A_i
+and the refinement's batches alike): the authors' code reads it through the test
+transform, no crop/flip (fedmpi.runtime.clientdata.UNAUGMENTED_STREAMS). Its batches
+are reshuffled each epoch (the code's loader is not shuffled) and have train.batch_size.
+
+The merge: the refined w_j' replace w_j in the base's own server update of the round,
+i.e. the server restores the state from before the train phase's update and runs the
+base's ``server_update`` again on the train phase's sums and rows with each refined
+client's contribution replaced (a client sends how its contribution changes; the server
+adds that to the train sums, and the refine rows replace the base's train rows). How w_j'
+enters each base is the base's own ``refined_upload`` (fedmpi.algorithms.base): by
+default, with D_j = w_j' - w_j, its "delta" contribution changes by that of D_j (n_j D_j
+n_i-weighted; D_j for SCAFFOLD's and FedACG's plain mean and FedDyn; SCAFFOLD's Delta c_j,
+c_i and so c stay the train phase's: the refinement's steps on D_pub are not SCAFFOLD
+steps), and the server optimisers (FedAvgM, FedAdam, FedACG) step once on that mean from
+the momenta before the round; FedNova's n_j d_j becomes -n_j (w_j' - x^t) / a_j' with
+a_j' = a_j + a_re (a_re its a for the K_re plain steps, train.momentum as rho), tau_eff
+taking a_j'; FedDyn's grad L_j -= alpha D_j (h stays the mean of the grad L_i); MOON's
+previous model becomes w_j'. Other bases are refused at config time (BASES). A round
+nobody is refined in (p = 0) is the base's round bit for bit.
+
+w_j stays on the client between the phases (client state "fnr_model", d), with the base's
+train values it needs to rebuild its upload (``_kept``: FedNova's a_j, SCAFFOLD's
+Delta c_j), so the honest traffic is: train = the base's + (C + 1) up; refine = C down
+(Delta_j), d up (w_j' - w_j; FedNova: and a_j'). The refine payload also carries x^t,
+which the client holds from the train phase (not counted).
 """
 
 from __future__ import annotations
@@ -37,6 +60,14 @@ from .base import Algorithm, Upload, register
 from .params import Params, param, param_error
 
 
+# The bases FNR-FL refines over: each says in its ``refined_upload`` how w_j' enters its
+# aggregation. Not here: FedCM and MoFedSAM (their momentum counts the participants' local
+# steps), FedExP, FedMIM and FedMRUR (per-client values of Delta_i beside the sum), the
+# self-supervised methods (no labels for F_i and A_i).
+BASES = ("fedavg", "fedprox", "fedsam", "fedavgm", "fedadam", "moon", "scaffold", "fedacg",
+         "fednova", "feddyn")
+
+
 @register
 class FNRFL(Algorithm):
     name = "fnrfl"
@@ -47,8 +78,8 @@ class FNRFL(Algorithm):
 
     @dataclass(frozen=True)
     class Params(Params):
-        base: str = param("fedavg", doc="base method: fedavg, fedprox, scaffold, moon, fednova "
-                                        "(any one-phase method)")
+        base: str = param("fedavg", doc="base method: " + ", ".join(BASES) + " (the refined "
+                                        "models go through its own aggregation)")
         base_params: dict = param({}, doc="the base's parameters, e.g. {mu = 0.01} "
                                           "(resolved: every one written out)")
         p: float = param(0.5, "[0, 1]", "p: the floor(n p) clients of lowest public accuracy "
@@ -74,34 +105,53 @@ class FNRFL(Algorithm):
         super().__init__(params)
         self.base = _build_base(self.params)
         self.diagnostic_fields = tuple(self.base.diagnostic_fields) + FNRFL.diagnostic_fields
+        self.key = _changed_key(self.base)   # the base's contribution w_j' changes
+        self._pending = None   # server, between the phases: (state before, sums, rows, ctx)
 
     # ---- declarations ----
     def traffic(self, d, phase):
         C = self.params.num_classes
         if phase == "refine":
-            return C, d
+            return C, d + sum(self._rows(d).values())
         down, up = self.base.traffic(d, "train")
         return down, up + C + 1
 
     def client_state_sizes(self, d):
-        return {**self.base.client_state_sizes(d), "fnr_model": d}
+        return {**self.base.client_state_sizes(d), "fnr_model": d,
+                **{f"fnr_{k}": n for k, n in self._kept(d).items()}}
+
+    def _rows(self, d):
+        """The base's gathered rows (w_j' changes them: sent again in the refine phase)."""
+        return self.base.gather_sizes(d, "train")
+
+    def _kept(self, d):
+        """The base's train values its upload is rebuilt from in the refine phase: its rows
+        and its contributions but the one w_j' changes and "weight" (the upload's extras of
+        those names: FedNova's a_j, SCAFFOLD's Delta c_j)."""
+        sizes = {**self._rows(d), **self.base.contribution_sizes(d, "train")}
+        return {k: n for k, n in sizes.items() if k not in (self.key, "weight")}
+
+    def check_training(self, train):
+        self.base.check_training(train)
 
     def gather_sizes(self, d, phase=None):
-        """train: the base's + F_i (C) + A_i; refine: the mean penalty; None: all of them."""
+        """train: the base's + F_i (C) + A_i; refine: the mean penalty and the base's rows
+        w_j' changes (FedNova's a_j'); None: all of them."""
         train = {**self.base.gather_sizes(d, "train"), "fnr_feature_norm": self.params.num_classes,
                  "fnr_public_acc": 1}
-        refine = {"fnr_penalty": 1}
+        refine = {"fnr_penalty": 1, **self._rows(d)}
         return {"train": train, "refine": refine}.get(phase, {**train, **refine})
 
     def contribution_sizes(self, d, phase=None):
-        """train: the base's; refine: n_j (w_j' - w_j); None: both."""
+        """train: the base's; refine: how client j's contribution to the base's vector
+        ``key`` changes with w_j' (n_j (w_j' - w_j) for FedAvg); None: both."""
         train, refine = self.base.contribution_sizes(d, "train"), {"fnr_refined": d}
         return {"train": train, "refine": refine}.get(phase, {**train, **refine})
 
     # ---- server ----
     def init_server_state(self, x):
         return {**self.base.init_server_state(x), "fnr_selected": torch.zeros(0, dtype=torch.int64),
-                "fnr_signal": torch.zeros(0, self.params.num_classes), "fnr_weight": torch.ones(1)}
+                "fnr_signal": torch.zeros(0, self.params.num_classes)}
 
     def phase_participants(self, state, phase, sampled):
         if phase == "refine":
@@ -111,16 +161,37 @@ class FNRFL(Algorithm):
     def payload(self, state, ctx):
         if ctx.phase == "train":
             return self.base.payload(state, ctx)
-        return {"fnr_clients": state["fnr_selected"].float(),
-                "fnr_signal": state["fnr_signal"].reshape(-1)}
+        payload = {"fnr_clients": state["fnr_selected"].float(),
+                   "fnr_signal": state["fnr_signal"].reshape(-1)}
+        if len(state["fnr_selected"]):
+            payload["fnr_x"] = self._pending[0]["x"]   # x^t, before the train phase's update
+        return payload
 
     def server_update(self, state, sums, gathered, ctx):
         if ctx.phase == "train":
+            self._pending = None
+            if math.floor(len(gathered["client"]) * self.params.p + 1e-9):   # someone is refined
+                before = {k: v.clone() for k, v in state.items() if not k.startswith("fnr_")}
+                self._pending = (before, {k: v.clone() for k, v in sums.items()},
+                                 {k: np.array(v, copy=True) for k, v in gathered.items()}, ctx)
             self.base.server_update(state, sums, gathered, ctx)
             self._select(state, gathered)
-        else:  # the refined w_j' replace w_j in the n_i-weighted average
-            # host sync: server, once per round
-            state["x"].add_(sums["fnr_refined"], alpha=ctx.global_lr / float(state["fnr_weight"]))
+        elif len(state["fnr_selected"]):   # p = 0: the base's round as it is
+            self._merge(state, sums, gathered)
+
+    def _merge(self, state, sums, gathered) -> None:
+        """The base's server update of this round again, from the state before it, on the
+        train phase's sums and rows with the refined clients' contributions substituted."""
+        before, train_sums, rows, ctx = self._pending
+        key = self.key
+        merged = {**train_sums, key: train_sums[key] + sums["fnr_refined"]}
+        where = np.searchsorted(rows["client"], gathered["client"])
+        for name in self._rows(before["x"].numel()):
+            rows[name][where] = gathered[name]
+        for name, value in before.items():
+            state[name] = value
+        self.base.server_update(state, merged, rows, ctx)
+        self._pending = (None, merged, rows, ctx)   # what diagnostics reports
 
     def _select(self, state, gathered) -> None:
         """S_re = floor(n p) lowest A_i (stable: ties go to the lower client id) and their signals."""
@@ -132,15 +203,16 @@ class FNRFL(Algorithm):
             norms, chosen, self.params.delta_over)
         state["fnr_selected"] = torch.as_tensor(gathered["client"][chosen].astype(np.int64))
         state["fnr_signal"] = torch.as_tensor(signal, dtype=torch.float32)
-        # host sync: none, server numpy
-        state["fnr_weight"] = torch.tensor([float(gathered["n_samples"].sum())])
 
     def eval_params(self, state):
         return self.base.eval_params(state)
 
     def diagnostics(self, state, sums, gathered, ctx):
-        if ctx.phase != "train":
-            return {}
+        if ctx.phase != "train":   # the base's, recomputed on the merged sums and rows
+            if not len(state["fnr_selected"]) or self._pending is None:
+                return {}
+            _, merged, rows, train_ctx = self._pending
+            return self.base.diagnostics(state, merged, rows, train_ctx)
         return {**self.base.diagnostics(state, sums, gathered, ctx),
                 "fnr_refined": float(len(state["fnr_selected"])),
                 "fnr_public_acc_mean": float(np.mean(gathered["fnr_public_acc"]))}
@@ -157,17 +229,22 @@ class FNRFL(Algorithm):
         out = getattr(getattr(module, "classifier", None), "out_features", C)
         if out != C:
             raise param_error("num_classes", f"{C}, but the model has {out} classes")
-        sizes = self.base.client_state_sizes(task.model.size)
+        d = task.model.size
+        sizes = self.base.client_state_sizes(d)
         base_state = {k: client_state[k] for k in sizes} if sizes else None
         upload = self.base.local_update(task, payload, base_state, ctx)
         norms, acc = fn.class_feature_norms(module, task.public, C)
         upload.extras = {**upload.extras, "fnr_feature_norm": norms.to(upload.delta.device),
                          "fnr_public_acc": torch.tensor([acc])}
-        upload.state = {**(upload.state or base_state or {}), "fnr_model": task.model.params.clone()}
+        kept = {f"fnr_{k}": upload.extras[k].reshape(-1).float() for k in self._kept(d)}
+        upload.state = {**(upload.state or base_state or {}), "fnr_model": task.model.params.clone(),
+                        **kept}
         return upload
 
     def _refine(self, task, payload, client_state, ctx):
-        """E_re epochs on public batches from the client's own w_j; uploads w_j' - w_j."""
+        """E_re epochs on public batches from the client's own w_j; uploads how its
+        contribution to the base's aggregation changes with w_j' (the base's
+        ``refined_upload`` of its train upload, rebuilt from the client state)."""
         # host sync: once per refined client, before training
         row = int((payload["fnr_clients"] == task.client).nonzero()[0, 0])
         signal = payload["fnr_signal"].view(-1, self.params.num_classes)[row]
@@ -177,21 +254,33 @@ class FNRFL(Algorithm):
         refine_ctx = dataclasses.replace(ctx, local_epochs=self.params.refine_epochs)
         loss, steps = local_sgd.train(dataclasses.replace(task, data=task.public), refine_ctx,
                                       loss_fn=loss_fn)
-        delta = task.model.params - w
-        n = task.data.num_samples
+        w_new, x = task.model.params.clone(), payload.get("fnr_x")   # x^t (a direct call: None)
+        d, n = task.model.size, task.data.num_samples
+        sizes = self.base.client_state_sizes(d)
+        trained = Upload(delta=None if x is None else w - x, num_samples=n, loss=0.0, steps=0,
+                         extras={k: client_state[f"fnr_{k}"] for k in self._kept(d)},
+                         state={k: client_state[k] for k in sizes} if sizes else None)
+        refined, changes = self.base.refined_upload(trained, x, w, w_new, steps, ctx)
+        if set(changes) != {self.key}:
+            raise ValueError(f"{self.params.base}.refined_upload changed {sorted(changes)}; "
+                             f"FNR-FL sends the change of {self.key!r}")
         penalty = torch.tensor([loss_fn.mean_penalty()])
-        return Upload(delta=delta, num_samples=n, loss=loss, steps=steps,
-                      extras={"fnr_refined": delta * n, "fnr_penalty": penalty})
+        state = None if refined.state is trained.state else {**client_state, **refined.state}
+        return Upload(delta=w_new - w, num_samples=n, loss=loss, steps=steps,
+                      extras={"fnr_refined": changes[self.key], "fnr_penalty": penalty,
+                              **self.base.gather(refined)},
+                      state=state)
 
     def contribution(self, upload):
-        """This phase's contributions: the base's in train, n_j (w_j' - w_j) in refine."""
+        """This phase's contributions: the base's in train, the change of client j's in refine."""
         if "fnr_refined" in upload.extras:
             return {"fnr_refined": upload.extras["fnr_refined"]}
         return self.base.contribution(upload)
 
     def gather(self, upload):
         if "fnr_refined" in upload.extras:
-            return {"fnr_penalty": upload.extras["fnr_penalty"]}
+            return {"fnr_penalty": upload.extras["fnr_penalty"],
+                    **{name: upload.extras[name] for name in self._rows(upload.delta.numel())}}
         return {**self.base.gather(upload), "fnr_feature_norm": upload.extras["fnr_feature_norm"],
                 "fnr_public_acc": upload.extras["fnr_public_acc"]}
 
@@ -199,13 +288,21 @@ class FNRFL(Algorithm):
 def _build_base(params) -> Algorithm:
     from . import REGISTRY, build
 
-    if params.base == FNRFL.name or params.base not in REGISTRY:
-        allowed = ", ".join(sorted(set(REGISTRY) - {FNRFL.name}))
-        raise param_error("base", f"{params.base!r} is not allowed; choose one of {allowed}")
-    if REGISTRY[params.base].phases != ("train",):
-        raise param_error("base", f"{params.base} has phases {REGISTRY[params.base].phases}; "
-                            "a base needs the single phase 'train'")
+    if params.base not in BASES or params.base not in REGISTRY:
+        raise param_error("base", f"{params.base!r} is not supported; choose one of "
+                                  f"{', '.join(BASES)} (the bases whose aggregation the refined "
+                                  f"models can go through)")
     try:
         return build(params.base, dict(params.base_params))
     except UsageError as exc:
         raise param_error("base_params", str(exc).removeprefix("config field ")) from None
+
+
+def _changed_key(base: Algorithm) -> str:
+    """The base's contribution a refined model changes: "delta" (the update), or the base's
+    only one besides "weight" (FedNova's "normalized")."""
+    names = [k for k in base.contribution_sizes(1, "train") if k != "weight"]
+    if "delta" in names:
+        return "delta"
+    (key,) = names
+    return key

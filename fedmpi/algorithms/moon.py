@@ -103,6 +103,12 @@ class Moon(FedAvg):
         return Upload(delta=w - x, num_samples=task.data.num_samples, loss=loss, steps=steps,
                       state=state)
 
+    def refined_upload(self, upload, x, w, w_new, steps, ctx):
+        """FNR-FL: as FedAvg, and the previous local model kept for the next round is w_new."""
+        new, change = super().refined_upload(upload, x, w, w_new, steps, ctx)
+        new.state = {**upload.state, "prev_model": w_new.clone()}
+        return new, change
+
     def _frozen_models(self, flat: FlatModel) -> tuple[FlatModel, FlatModel]:
         """Built once per worker model: deep copies keep the NHWC storage order of ``flat``."""
         if self._frozen is None or self._frozen[0] is not flat:

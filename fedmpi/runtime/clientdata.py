@@ -18,6 +18,12 @@ from ..data.ssl_augment import two_views
 from .rng import torch_generator
 
 
+# The server's public set (FNR-FL's F_i, A_i and refinement) is read as FNR-FL's authors'
+# code reads it (LonelyMoonDesert/FNR-FL, NIID-Bench's get_dataloader: the public loader
+# has the test transform, no crop/flip): never through the training augmentation.
+UNAUGMENTED_STREAMS = ("public",)
+
+
 class DeviceData:
     """Training and test tensors of one dataset on one device."""
 
@@ -34,16 +40,17 @@ class DeviceData:
         self.channels_last = channels_last
 
     def prepare(self, x_uint8: torch.Tensor, generator: torch.Generator | None,
-                skew: ClientSkew | None = None) -> torch.Tensor:
+                skew: ClientSkew | None = None, augment: bool | None = None) -> torch.Tensor:
         """A batch as the model takes it: token ids for text; tabular features as stored
         (standardised by the loader; no augmentation, no skew: config validation refuses
-        image transforms for them); for images crop/flip (when augmenting), the client's
-        feature skew, normalisation. ``generator`` None = test."""
+        image transforms for them); for images crop/flip (when augmenting: ``augment``,
+        None = ``data.augment``), the client's feature skew, normalisation. ``generator``
+        None = test."""
         if self.modality == "text":
             return x_uint8.long()
         if self.modality == "tabular":
             return x_uint8
-        if generator is not None and self.augment:
+        if generator is not None and (self.augment if augment is None else augment):
             x_uint8 = crop_flip(x_uint8, generator, self.crop_padding, self.flip)
         if generator is not None and skew is not None:
             return skewed_float(x_uint8, skew, generator, self.mean, self.std, self.channels_last)
@@ -53,16 +60,20 @@ class DeviceData:
                phase: int, split: str = "train", stream: str = "",
                skew: ClientSkew | None = None) -> "TensorClientData":
         """A client's view of ``indices`` into ``split`` (train, or test for FNR-FL's leaky
-        public set); ``stream`` names a separate random stream (the public set's)."""
-        return TensorClientData(self, indices, seed, (round_, client, phase), split, stream, skew)
+        public set); ``stream`` names a separate random stream (the public set's). A stream
+        in UNAUGMENTED_STREAMS is read without the crop/flip whatever ``data.augment`` says."""
+        return TensorClientData(self, indices, seed, (round_, client, phase), split, stream, skew,
+                                augment=False if stream in UNAUGMENTED_STREAMS else None)
 
 
 class TensorClientData(ClientData):
-    """Batches of one client: order and augmentation keyed by (seed, round, client, phase)."""
+    """Batches of one client: order and augmentation keyed by (seed, round, client, phase);
+    ``augment`` False: never crop/flip (None: as ``data.augment``)."""
 
     def __init__(self, data: DeviceData, indices: np.ndarray, seed: int, key: tuple[int, ...],
-                 split: str = "train", stream: str = "", skew: ClientSkew | None = None):
-        self.data, self.skew = data, skew
+                 split: str = "train", stream: str = "", skew: ClientSkew | None = None,
+                 augment: bool | None = None):
+        self.data, self.skew, self.augment = data, skew, augment
         self.x = data.train_x if split == "train" else data.test_x
         self.y = data.train_y if split == "train" else data.test_y
         self.purpose = f"-{stream}" if stream else ""
@@ -72,7 +83,7 @@ class TensorClientData(ClientData):
 
     def batches(self, epochs: int, batch_size: int):
         for batch, aug in self._index_batches(epochs, batch_size):
-            yield self.data.prepare(self.x[batch], aug, self.skew), self.y[batch]
+            yield self.data.prepare(self.x[batch], aug, self.skew, self.augment), self.y[batch]
 
     def view_batches(self, epochs: int, batch_size: int):
         """((view1, view2), y): SimCLR's two augmentations, normalised with the dataset's
