@@ -165,6 +165,23 @@ def test_fl_bytes_are_the_declared_closed_form(tmp_path, count, down_units):
         assert np.isnan(rounds["fedmim_local_consistency"][0])
         assert np.all(rounds["fedmim_local_consistency"][1:] > 0)
         assert np.all(run.clients()["bytes_down"] == down_units * d * 4)
+        # both counts are stored whichever the ledger carries: (1+J)d and d per client,
+        # float32 on the wire (4 bytes a value); J = 2 by default
+        assert np.isnan(rounds["fl_bytes_down_honest"][0]) and np.isnan(rounds["fl_bytes_down_paper"][0])
+        assert rounds["fl_bytes_down_honest"][1:].tolist() == [(1 + 2) * d * s * 4] * 2
+        assert rounds["fl_bytes_down_paper"][1:].tolist() == [d * s * 4] * 2
+        assert np.array_equal(rounds["fl_bytes_down"][1:], rounds[f"fl_bytes_down_{count}"][1:])
+
+
+def test_both_download_counts_follow_j_and_the_participants():
+    # harness: d = 3, J = 3, S = 2 then 3 clients
+    tasks = {c: quadratic_task(c, CENTERS[c]) for c in CENTERS}
+    sim = Simulation(build("fedmim", {"J": 3, "alpha": [0.3, 0.2, 0.1], "beta": [0.5, 0.3, 0.2]}),
+                     tasks, x0=[0.0, 0.0, 0.0])
+    for clients in ([0, 2], [0, 1, 2]):
+        diag = sim.round(clients)
+        assert diag["fl_bytes_down_honest"] == len(clients) * (1 + 3) * 3 * 4
+        assert diag["fl_bytes_down_paper"] == len(clients) * 3 * 4
 
 
 @pytest.mark.slow

@@ -95,10 +95,53 @@ def test_two_orthogonal_clients_paper_scaling_matches_the_closed_form():
     assert diag["eua_clients_effective"] == pytest.approx(math.exp(-(0.2 * math.log(0.2) + 0.8 * math.log(0.8))))
 
 
+def test_default_eua_is_the_released_codes_rule_with_server_lr_8():
+    # XeniaLLL/FedU2 mtl.py 'EUA': x <- x - lr sum_k p_k 2 (x - theta_k) / ||x - theta_k||,
+    # lr = gmodel_lr = 8, p = the min-norm point of the unit directions times 2.
+    params = build("fedu2", {}).params
+    assert (params.eua, params.eua_step, params.eua_lr) == ("code", "fixed", 8.0)
+    # orthogonal updates of norms 3, 0.5, 10: p = 1/3 each whatever the norms, and
+    # x_1 = 8 * (2/3) (e1 + e2 + e3)
+    step, alg = eua_step([[3.0, 0.0, 0.0], [0.0, 0.5, 0.0], [0.0, 0.0, 10.0]])
+    np.testing.assert_allclose(alg._weights, [1 / 3] * 3, rtol=1e-12)
+    np.testing.assert_allclose(step, [16 / 3] * 3, rtol=1e-6)
+    # two updates at 45 degrees (norms 2 and 5 sqrt 2): 2u_1, 2u_2 have equal norms, so the
+    # min-norm point is their midpoint and x_1 = 8 (u_1 + u_2), u_2 = (1, 1) / sqrt 2
+    step, alg = eua_step([[2.0, 0.0], [5.0, 5.0]])
+    np.testing.assert_allclose(alg._weights, [0.5, 0.5], rtol=1e-12)
+    r = 2 ** -0.5
+    np.testing.assert_allclose(step, [8 * (1 + r), 8 * r], rtol=1e-6)
+
+
+def test_default_eua_step_is_lr_8_times_a_certified_min_norm_point():
+    # four random updates in R^3: x_1 / 8 = w = sum_k p_k 2 u_k, and w is the min-norm
+    # point of the hull of {2 u_k} iff <w, 2 u_k> >= ||w||^2 for every k, with equality
+    # where p_k > 0 (the optimality condition of min_{p in simplex} ||sum_k p_k 2 u_k||^2)
+    deltas = np.random.default_rng(3).normal(size=(4, 3)) * [[0.1], [1.0], [5.0], [0.02]]
+    deltas = deltas.astype(np.float32).astype(np.float64)   # the updates travel as float32
+    step, alg = eua_step(deltas.tolist())
+    units = 2 * deltas / np.linalg.norm(deltas, axis=1, keepdims=True)
+    p = alg._weights
+    assert p.sum() == pytest.approx(1.0) and (p >= 0).all()
+    w = p @ units
+    np.testing.assert_allclose(step, 8 * w, rtol=1e-5, atol=1e-6)
+    slack = units @ w - w @ w
+    assert (slack >= -1e-9).all()
+    np.testing.assert_allclose(slack[p > 1e-9], 0.0, atol=1e-9)
+
+
+def test_matched_step_still_works_when_asked_for():
+    # orthogonal updates (1, 0), (0, 2), code scaling: p = (1/2, 1/2), c = 2p/s = (1, 1/2),
+    # eta_s = eta_g mean(s) / 2 = 0.75 at eta_g = 1: x_1 = 0.75 ((1, 0) + (0, 1))
+    step, alg = eua_step([[1.0, 0.0], [0.0, 2.0]], eua_step="matched")
+    assert alg.params.eua_step == "matched"
+    np.testing.assert_allclose(step, [0.75, 0.75], rtol=1e-6)
+
+
 @pytest.mark.parametrize("variant", ["code", "paper"])
 def test_matched_step_moves_identical_clients_exactly_like_fedavg(variant):
     delta = [0.3, -0.4, 1.2]
-    step, alg = eua_step([delta, delta, delta], eua=variant)
+    step, alg = eua_step([delta, delta, delta], eua=variant, eua_step="matched")
     np.testing.assert_allclose(step, delta, rtol=1e-6)
     assert alg._weights.sum() == pytest.approx(1.0) and (alg._weights >= 0).all()
 

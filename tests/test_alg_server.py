@@ -108,6 +108,30 @@ def test_fedadam_defaults_match_numpy_with_v0_and_weights():
     np.testing.assert_allclose(sim.state["x"].numpy(), x, rtol=1e-5)
 
 
+@pytest.mark.parametrize("params, v0", [
+    ({}, 1e-6), ({"tau": 0.01}, 1e-4), ({"tau": 0.05}, 0.05 ** 2),
+    ({"tau": 0.01, "v0": 0.0}, 0.0), ({"tau": 0.01, "v0": 0.3}, 0.3)])
+def test_fedadam_v0_follows_tau_unless_given(params, v0):
+    # Reddi et al.'s v^0 = tau^2 convention (FedACG's ServerAdam): the initial second moment
+    # is that of the tau in use, not the default tau's 1e-6; an explicit v0 is kept
+    alg = build("fedadam", params)
+    assert alg.params.v0 == v0
+    assert torch.equal(alg.init_server_state(torch.zeros(3))["v"], torch.full((3,), v0))
+    # the resolved config stores the value, so a resume or a re-run starts from the same v^0
+    c = cfg.from_dict({"algorithm": {"name": "fedadam", **params}})
+    assert c.algorithm.params["v0"] == v0
+    assert cfg.from_dict(c.to_dict()).algorithm.params["v0"] == v0
+
+
+def test_fedadam_first_step_uses_v0_of_the_given_tau():
+    # one client, c = (1,), one GD step of lr 0.5 from 0: Dbar = 0.5; tau 0.1, v0 = 0.01:
+    # m = 0.05, v = 0.99 * 0.01 + 0.01 * 0.25 = 0.0124, x1 = 0.05 / (sqrt(0.0124) + 0.1)
+    sim = Simulation(build("fedadam", {"tau": 0.1, "eta_g": 1.0}), tasks_for({0: [1.0]}), x0=[0.0])
+    sim.round([0], t=0, lr=0.5)
+    np.testing.assert_allclose(sim.state["v"].numpy(), [0.0124], rtol=1e-6)
+    np.testing.assert_allclose(sim.state["x"].numpy(), [0.05 / (math.sqrt(0.0124) + 0.1)], rtol=1e-6)
+
+
 FEDEXP_CENTERS = {0: [2.0, 0.0], 1: [-2.0, 2.0]}
 
 

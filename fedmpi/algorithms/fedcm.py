@@ -8,7 +8,9 @@ FL-Simulator (woodenchild95/FL-Simulator client/fedcm.py, server/FedCM.py):
     server: Dbar^t = sum_i n_i Delta_i / sum_i n_i;  x^{t+1} = x^t + eta_g Dbar^t
 
 Messages: 2d down (x, m), d up. The server keeps Dbar and its mean step count K
-(``momentum`` explains K with unequal clients); m = 0 in round 0.
+(``momentum`` explains K with unequal clients); m = 0 in round 0. m spans the flat state
+(parameters, then float buffers); only its parameter part enters the gradient
+(``momentum.mixed``).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import local_sgd, momentum
+from . import local_sgd, momentum, schedule
 from .base import register
 from .fedavg import FedAvg
 from .params import Params, param
@@ -44,6 +46,9 @@ class FedCM(FedAvg):
         # host sync: server, once per round
         m = momentum.gradient_units(state["D"], float(state["K"]), ctx.lr_prev)
         return {"x": state["x"], "m": m}
+
+    def check_training(self, train):
+        schedule.require_constant_local(train, self.name, "the momentum's m = -D / (K eta_l)")
 
     def local_update(self, task, payload, client_state, ctx):
         return local_sgd.local_update(task, payload["x"], ctx, self.correction(payload))

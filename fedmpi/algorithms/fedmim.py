@@ -12,7 +12,9 @@ the history exists), A = sum_j alpha_j < 1 and K the client's step count, each l
 (gradient at the beta-lookahead point, taken like a SAM perturbation; weight decay at
 x_k). Server: x^{t+1} = x^t + eta_g (1/S) sum_i Delta_i, the plain mean of the client
 models at eta_g = 1. The server keeps J+1 snapshots and sends the J displacements:
-(1+J)d down, d up ("honest"); the paper counts d down ("paper").
+(1+J)d down, d up ("honest"); the paper counts d down ("paper"). ``traffic_count``
+picks the one the FL ledger (fl_bytes_down) carries; every round stores both as the
+diagnostics fl_bytes_down_honest = S (1+J) d 4 and fl_bytes_down_paper = S d 4 bytes.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import local_sgd, server_opt
+from ..errors import UsageError
+from ..flat import WIRE_BYTES
+from . import local_sgd, schedule, server_opt
 from .base import Algorithm, Upload, register
 from .params import Params, param, param_error
 
@@ -41,7 +45,9 @@ def _float_tuple(name: str, value) -> tuple[float, ...]:
 class FedMIM(Algorithm):
     name = "fedmim"
     paper = "Liu et al. 2023, arXiv:2302.05726"
-    diagnostic_fields = ("fedmim_local_consistency",)
+    # the round's download under both counts (bytes, as fl_bytes_down), whatever
+    # traffic_count sends to the ledger
+    diagnostic_fields = ("fedmim_local_consistency", "fl_bytes_down_honest", "fl_bytes_down_paper")
 
     @dataclass(frozen=True)
     class Params(Params):
@@ -65,8 +71,12 @@ class FedMIM(Algorithm):
                 raise param_error("alpha", f"sum must be < 1, got {sum(self.alpha)}")
 
     def traffic(self, d, phase):
-        down = d if self.params.traffic_count == "paper" else (1 + self.params.J) * d
-        return down, d
+        return self.downloads(d)[self.params.traffic_count], d
+
+    def downloads(self, d) -> dict[str, int]:
+        """Values one client downloads per round: "honest" (1+J)d, x and the J
+        displacements it needs if it missed the last J rounds; "paper" d, as counted there."""
+        return {"honest": (1 + self.params.J) * d, "paper": d}
 
     def gather_sizes(self, d, phase=None):
         return {"delta_sq": 1}
@@ -87,8 +97,17 @@ class FedMIM(Algorithm):
         """(1/S) sum_i ||x_i - xbar||^2 = mean_i ||Delta_i||^2 - ||Dbar||^2 (same start x^t)."""
         s = len(gathered["client"])
         mean = sums["delta"].double() / s
+        down = {f"fl_bytes_down_{count}": float(s * n * WIRE_BYTES)  # host sync: none, ints
+                for count, n in self.downloads(state["x"].numel()).items()}
         # host sync: server diagnostics, once per round
-        return {"fedmim_local_consistency": float(np.mean(gathered["delta_sq"]) - mean.square().sum())}
+        return {"fedmim_local_consistency": float(np.mean(gathered["delta_sq"]) - mean.square().sum()),
+                **down}
+
+    def check_training(self, train):
+        schedule.require_constant_local(train, "fedmim", "the inertia's per-step share of u")
+        if train.momentum:
+            raise UsageError(f"config field train.momentum: must be 0 with fedmim (its inertial "
+                             f"step is its momentum), got {train.momentum}")
 
     def local_update(self, task, payload, client_state, ctx):
         x = payload["x"]

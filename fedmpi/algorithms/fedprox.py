@@ -17,9 +17,14 @@ from .params import Params, param
 
 
 def proximal(mu: float, anchor):
-    """Gradient correction of (mu/2)||w - anchor||^2: g += mu (w - anchor)."""
+    """Gradient correction of (mu/2)||w - anchor||^2: g += mu (w - anchor).
+
+    ``params`` are the model's trainable parameters (the first num_params values of the
+    flat state, fedmpi.flat.FlatModel); ``anchor`` may be the whole flat state, whose
+    float buffers (BatchNorm statistics) follow the parameters: only its first
+    len(params) values are used."""
     def correct(grads, params):
-        grads.add_(params, alpha=mu).sub_(anchor, alpha=mu)
+        grads.add_(params, alpha=mu).sub_(anchor[:params.numel()], alpha=mu)
     return correct
 
 
@@ -33,5 +38,6 @@ class FedProx(FedAvg):
         mu: float = param(0.01, ">= 0", "proximal weight mu (paper grid 0.001-1)")
 
     def local_update(self, task, payload, client_state, ctx):
-        x = payload["x"]
-        return local_sgd.local_update(task, x, ctx, proximal(self.params.mu, x))
+        x = payload["x"]   # parameters, then float buffers: the anchor is the first part
+        return local_sgd.local_update(task, x, ctx,
+                                      proximal(self.params.mu, x[:task.model.num_params]))

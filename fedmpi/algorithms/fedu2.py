@@ -23,13 +23,15 @@ runtime where the updates are: fedmpi.runtime.gram), then
     x^{t+1} = x^t - eta_s sum_k p*_k v_k = x^t + eta_s sum_k (2 p*_k / s_k) Delta_k,
 
 s_k = ||Delta_k||^2 (``eua = "paper"``) or ||Delta_k|| (``eua = "code"``, the default);
-fedmpi.algorithms.eua solves the QP exactly. Step length: the paper leaves eta_s open and
-the code uses a fixed server lr (8 in its cross-silo example, for ResNet-18), which sets
-the absolute length of the step (<= 2 eta_s with the code's scaling) whatever the model's
-update sizes: on the 28x28 CNN, where client updates have norm 0.1-0.7, that is 20-100x
-FedAvg's step. ``eua_step = "matched"`` (default) takes eta_s = eta_g mean_k(s_k) / 2,
-the one value for which K identical updates move x exactly as FedAvg does, so the step
-follows the updates' scale; ``eua_step = "fixed"`` with ``eua_lr`` is the code's rule.
+fedmpi.algorithms.eua solves the QP exactly. Step length: the paper leaves eta_s open;
+the released code (src/my/algo/commons/mtl.py, method 'EUA') takes one SGD step
+x <- x - lr sum_k p*_k 2 (x - theta_k) / ||x - theta_k|| with lr = gmodel_lr = 8 (its
+cross-silo example, for ResNet-18). ``eua_step = "fixed"`` with ``eua_lr = 8`` (default),
+with the default ``eua = "code"``, is that rule: the step's length is at most 2 eta_s
+whatever the size of the updates. ``eua_step = "matched"`` is fedmpi's own option, in no
+reference: eta_s = eta_g mean_k(s_k) / 2, the one value for which K identical updates
+move x exactly as FedAvg does, so the step follows the updates' scale (on the 28x28 CNN,
+where client updates have norm 0.1-0.7, the code's lr 8 is 20-100x FedAvg's step).
 ``aggregator = "fedavg"`` is the FUR-only ablation. Messages d down, d up (a deployment
 uploads each model; the simulator's own Gram traffic is in mpi_bytes, not fl_bytes).
 Left out (code-only extras): the rotation-prediction head and the
@@ -57,7 +59,7 @@ from .ssl_losses import byol_head, halves, simclr_head, simsiam_head
 BACKBONES = ("byol", "simclr", "simsiam")
 FUR_VARIANTS = ("paper", "code", "none")
 AGGREGATORS = ("eua", "fedavg")
-EUA_STEPS = ("matched", "fixed")
+EUA_STEPS = ("fixed", "matched")
 LAMBDA_U = {"paper": 0.1, "code": 0.01, "none": 0.0}
 
 
@@ -80,11 +82,13 @@ class FedU2Params(BYOLParams):
     aggregator: str = param("eua", AGGREGATORS, "server: eua | fedavg (the FUR-only ablation)")
     eua: str = param("code", eua.VARIANTS,
                      "EUA direction scaling: code (Delta / ||Delta||) | paper (Delta / ||Delta||^2)")
-    eua_step: str = param("matched", EUA_STEPS,
-                          "EUA step length: matched (eta_g mean_k(s_k) / 2, so identical updates "
-                          "move x exactly as FedAvg would) | fixed (eua_lr, the code's rule)")
+    eua_step: str = param("fixed", EUA_STEPS,
+                          "EUA step length: fixed (eta_s = eua_lr; with eua = code and eua_lr = 8 "
+                          "the released code's rule) | matched (fedmpi's own, in no reference: "
+                          "eta_g mean_k(s_k) / 2, so identical updates move x as FedAvg would)")
     eua_lr: float = param(8.0, "(0, inf)",
-                          "EUA server step eta_s with eua_step = fixed (the code's cross-silo example: 8)")
+                          "EUA server step eta_s with eua_step = fixed (the code's gmodel_lr in its "
+                          "cross-silo example: 8)")
 
     def __post_init__(self):
         if self.lambda_u is None and self.fur in LAMBDA_U:   # a bad fur is named by the check

@@ -39,7 +39,11 @@ def mean_steps(gathered: dict[str, np.ndarray], weighted: bool) -> float:
 
 
 def mixed(alpha: float, m: torch.Tensor) -> Correction:
-    """Gradient correction g <- alpha g + (1 - alpha) m (before clipping)."""
+    """Gradient correction g <- alpha g + (1 - alpha) m (before clipping).
+
+    ``m`` comes from the server's D over the whole flat state (parameters, then float
+    buffers such as BatchNorm statistics; fedmpi.flat.FlatModel); the gradient has the
+    parameters' num_params entries, so only m's first num_params values enter."""
     def correct(grads, params):
-        grads.mul_(alpha).add_(m, alpha=1.0 - alpha)
+        grads.mul_(alpha).add_(m[:grads.numel()], alpha=1.0 - alpha)
     return correct
