@@ -235,7 +235,11 @@ def main() -> None:
         print(json.dumps(run_half(json.loads(args.values), args.half, 2)))
         return
     values = workload(args.rounds)
-    tmp = Path(tempfile.mkdtemp(prefix="fedmpi-bench-"))
+    with tempfile.TemporaryDirectory(prefix="fedmpi-bench-") as tmp:
+        measure(args, values, Path(tmp))
+
+
+def measure(args, values, tmp: Path) -> None:
     config_path = tmp / "bench.toml"
     config_path.write_text(cfgmod.to_toml(values))
     times = {"bare": [], "fedmpi": [], "limit": [], "mpirun": []}

@@ -204,11 +204,18 @@ def check_default_run(clone: Path) -> str | None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repo", default=str(Path(__file__).resolve().parents[1]))
-    parser.add_argument("--workdir", help="where to clone (default: a new temporary folder)")
+    parser.add_argument("--workdir", help="where to clone and keep the clone, its venv and the log "
+                        "(default: a temporary folder, removed at the end: the venv is ~6 GB)")
     args = parser.parse_args(argv)
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="fedmpi-readme-"))
+    if args.workdir:
+        return check(args.repo, Path(args.workdir))
+    with tempfile.TemporaryDirectory(prefix="fedmpi-readme-") as work:
+        return check(args.repo, Path(work))
+
+
+def check(repo: str, work: Path) -> int:
     clone = work / "fedmpi"
-    subprocess.run(["git", "clone", "--quiet", args.repo, str(clone)], check=True)
+    subprocess.run(["git", "clone", "--quiet", repo, str(clone)], check=True)
     steps = plan((clone / "README.md").read_text())
     (work / "readme.sh").write_text(script(steps, work))
     print(f"readme_check: {len(steps)} commands from README.md, in {clone}", flush=True)
@@ -226,7 +233,7 @@ def main(argv=None) -> int:
     if proc.returncode:
         tail = log.read_text().splitlines()[-40:]
         print("\n".join(["", f"readme_check: FAILED (exit {proc.returncode}) after {elapsed:.0f} s; "
-                         f"the last lines of {log}:", *tail]), file=sys.stderr)
+                         f"the last lines of {log} (kept only with --workdir):", *tail]), file=sys.stderr)
         return 1
     problem = check_default_run(clone)
     if problem:
