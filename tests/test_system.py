@@ -57,8 +57,14 @@ def test_threads_split_the_node_between_workers(env):
 
 def test_threads_follow_slurm_cpus_per_task_and_the_affinity_mask(env):
     import os
+    from fedmpi.runtime import system
     env.setenv("SLURM_CPUS_PER_TASK", "6")
+    env.setattr(os, "cpu_count", lambda: 8)
+    env.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    env.setattr(system, "cgroup_cpu_limit", lambda *a, **k: None)
     assert choose_threads(0, False, True, 5) == 6
+    env.setenv("SLURM_CPUS_PER_TASK", "12")   # never more than the cores it may use
+    assert choose_threads(0, False, True, 5) == 8
     env.delenv("SLURM_CPUS_PER_TASK")
     if hasattr(os, "sched_getaffinity") and (os.cpu_count() or 1) > 1:
         env.setattr(os, "sched_getaffinity", lambda pid: {0})  # bound to one core

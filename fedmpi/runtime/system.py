@@ -63,6 +63,11 @@ def choose_threads(requested: int, deterministic: bool, is_worker: bool, world_s
     Workers share the node's cores; the server (rank 0 of a multi-rank job) mostly
     waits and gets one. Deterministic runs use ``requested`` or 1 on every rank so that
     kernels reduce in the same order whatever the layout.
+
+    Otherwise never more than the process may use: its affinity mask (all of it when the
+    launcher bound the rank to its own cores, else this worker's share of it), its share
+    of the cgroup CPU quota (one quota covers every rank in the cgroup, and a rank over
+    its share is throttled, not just slowed), and SLURM_CPUS_PER_TASK when set.
     """
     if requested:
         return requested
@@ -70,15 +75,18 @@ def choose_threads(requested: int, deterministic: bool, is_worker: bool, world_s
         return 1
     if not is_worker:
         return 1
-    if os.environ.get("SLURM_CPUS_PER_TASK", "").isdigit():  # the allocation's own answer
-        return max(int(os.environ["SLURM_CPUS_PER_TASK"]), 1)
-    usable = _usable_cores()
-    if usable < (os.cpu_count() or usable):
-        return usable  # the launcher bound this rank to its own cores
     if local_workers is None:   # not told (Comm.node_peers): the launcher's variables
         _, local_size = local_rank_info()
         local_workers = local_size - (1 if world_size > 1 else 0)
-    return max(usable // max(local_workers, 1), 1)
+    share = max(local_workers, 1)
+    affinity = _usable_cores()
+    limit = affinity if affinity < (os.cpu_count() or affinity) else affinity // share
+    quota = cgroup_cpu_limit()
+    if quota is not None:
+        limit = min(limit, quota // share)
+    if os.environ.get("SLURM_CPUS_PER_TASK", "").isdigit():  # the allocation's own answer
+        limit = min(limit, int(os.environ["SLURM_CPUS_PER_TASK"]))
+    return max(limit, 1)
 
 
 def _usable_cores() -> int:
@@ -88,6 +96,97 @@ def _usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+CGROUP_ROOT = "/sys/fs/cgroup"
+CGROUP_MEMBERSHIP = "/proc/self/cgroup"
+
+
+def cgroup_cpu_limit(root: str | None = None, membership: str | None = None) -> int | None:
+    """CPUs the cgroup CPU quota allows this process, quota / period rounded up (at least
+    1), the smallest over every level that sets one; None when no level does.
+
+    Reads cgroup v2 ``cpu.max`` ("quota period" or "max period") and cgroup v1
+    ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us`` (-1: no quota). A container sees its own
+    cgroup at ``root``; a process on a host (a SLURM step, a systemd slice) sits further
+    down, at the path ``membership`` names, and a quota on any ancestor binds as well.
+    Both default to the module's CGROUP_ROOT and CGROUP_MEMBERSHIP.
+    """
+    root, membership = root or CGROUP_ROOT, membership or CGROUP_MEMBERSHIP
+    v2, v1 = "/", "/"
+    try:
+        with open(membership) as lines:
+            for line in lines:
+                hierarchy, controllers, path = line.rstrip("\n").split(":", 2)
+                if hierarchy == "0" and not controllers:
+                    v2 = path
+                elif "cpu" in controllers.split(","):
+                    v1 = path
+    except (OSError, ValueError):
+        pass
+    limits = []
+    for base in (root, os.path.join(root, "unified")):
+        for folder in _ancestors(base, v2):
+            limits.append(_cpu_max(os.path.join(folder, "cpu.max")))
+    for base in (os.path.join(root, "cpu"), os.path.join(root, "cpu,cpuacct"),
+                 os.path.join(root, "cpuacct,cpu")):
+        for folder in _ancestors(base, v1):
+            limits.append(_cfs_quota(folder))
+    limits = [limit for limit in limits if limit is not None]
+    return min(limits) if limits else None
+
+
+def _ancestors(base: str, path: str) -> list[str]:
+    """``base``/``path`` and each of its parents up to ``base``, those that exist."""
+    parts = [part for part in path.split("/") if part]
+    folders = [os.path.join(base, *parts[:depth]) for depth in range(len(parts), -1, -1)]
+    return [folder for folder in folders if os.path.isdir(folder)]
+
+
+def _cpu_max(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            quota, period = f.read().split()[:2]
+        return None if quota == "max" else _cpus(int(quota), int(period))
+    except (OSError, ValueError):
+        return None
+
+
+def _cfs_quota(folder: str) -> int | None:
+    try:
+        with open(os.path.join(folder, "cpu.cfs_quota_us")) as f:
+            quota = int(f.read())
+        with open(os.path.join(folder, "cpu.cfs_period_us")) as f:
+            period = int(f.read())
+        return None if quota < 0 else _cpus(quota, period)
+    except (OSError, ValueError):
+        return None
+
+
+def _cpus(quota: int, period: int) -> int | None:
+    return max(-(-quota // period), 1) if period > 0 else None
+
+
+def load_warning(threads: int, cores: int | None = None) -> str | None:
+    """One line for stderr when the node is already busier than its cores at start-up
+    (another job, a stale run): this run's threads then compete for them and it runs
+    slower than its thread count suggests. None otherwise, or where the load average is
+    unknown.
+
+    The load average counts the whole node (a container sees its host's), so it is set
+    against the node's cores (``os.cpu_count()``), not this process's share: a job bound
+    to a few cores of a full node has those cores to itself.
+    """
+    cores = cores or os.cpu_count() or 1
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+    if load <= cores:
+        return None
+    return (f"fedmpi: warning: load average {load:.1f} on {socket.gethostname()} exceeds its "
+            f"{cores} cores at start-up; other work competes with this run's {threads} torch "
+            f"thread(s) per worker (system.threads sets another number)")
 
 
 def node_workers(comm) -> list[tuple[int, str]]:

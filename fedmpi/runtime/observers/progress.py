@@ -1,9 +1,12 @@
-"""What a run prints on stdout (unless quiet): the rank table, then one line a round."""
+"""What a run prints on stdout (unless quiet): the rank table, then one line a round; and
+on stderr one warning line when the node was overloaded at start-up."""
 
 from __future__ import annotations
 
 import math
+import sys
 
+from ..system import load_warning
 from ..world import rank_table
 from . import Observer
 
@@ -12,6 +15,10 @@ class Progress(Observer):
     def on_setup(self, exp) -> None:
         if exp.comm.is_server:
             print(rank_table(exp.ranks), flush=True)
+            workers = [r["threads"] for r in exp.ranks[1:]] or [exp.ranks[0]["threads"]]
+            warning = load_warning(max(workers))   # rank 0's node: a warning, not a decision
+            if warning:
+                print(warning, file=sys.stderr, flush=True)
 
     def after_round(self, exp, record) -> None:
         rounds, row = exp.config.rounds, record.row
