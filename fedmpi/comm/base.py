@@ -92,6 +92,15 @@ class Comm:
         order: collective over all ranks. Node = shared memory (MPI COMM_TYPE_SHARED)."""
         ...
 
+    def node_shared(self, load):
+        """``load()`` (a dataset: an object whose CPU tensor attributes are its big arrays),
+        held once per node: collective over all ranks. Where the ranks of a node can share
+        memory, one of them calls ``load`` and the others get the same object with those
+        tensors over the same bytes (``MPIComm``); the shared tensors are read-only by
+        convention: nothing may write into them in place. Here, with nothing to share
+        with, every rank just loads."""
+        return load()
+
 
 class Stopwatch:
     """Adds elapsed seconds to a ledger field; used around every collective."""

@@ -12,11 +12,18 @@ The sleep grows with the time already waited (2% of it, between 10 us and
 microseconds, while a server waiting a second for its workers wakes ~200 times (about
 0.3% of a core) and notices their arrival within 5 ms. (A 20 ms cap measured ~20 ms of
 added latency per round on the benchmark workload.)
+
+The dataset is held once per node (``node_shared``): the node's lowest rank loads it into
+an MPI shared-memory window and the node's other ranks map the same bytes, so nine ranks
+on a node do not hold nine training sets. ``FEDMPI_NODE_SHARED=0`` turns this off (every
+rank loads its own copy, as before); so does any failure to set the window up.
 """
 
 from __future__ import annotations
 
+import copy
 import io
+import os
 import pickle
 import socket
 import time
@@ -53,6 +60,11 @@ def host_pickle(obj, what: str) -> bytes:
 
 class MPIComm(Comm):
     def __init__(self, comm=None, max_sleep: float = 0.005):
+        # Open MPI queries every one-sided (osc) component when a window is made, and its
+        # UCX one prints an error on a node without UCX transports although the window
+        # (shared memory: UCX cannot make those anyway) is then made by another. Read at
+        # MPI_Init, so set before the import; a value the user set is kept.
+        os.environ.setdefault("OMPI_MCA_osc", "^ucx")
         from mpi4py import MPI  # imported here so single-process runs never load MPI
 
         self.MPI = MPI
@@ -60,6 +72,8 @@ class MPIComm(Comm):
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.ledger = Ledger()
         self.max_sleep = max_sleep
+        self.node_windows = []   # (node communicator, window) behind shared tensors: kept
+                                 # until MPI_Finalize frees them, never freed earlier
 
     def _arrive(self) -> None:
         """Wait for every rank without spinning: Ibarrier + Test with backoff sleep."""
@@ -190,3 +204,106 @@ class MPIComm(Comm):
             return sorted(node.allgather((self.rank, info)), key=lambda pair: pair[0])
         finally:
             node.Free()
+
+    def node_shared(self, load):
+        """``load()``'s object, its CPU tensor attributes in one shared-memory window per
+        node: the node's lowest rank loads (only it reads the files), copies the tensors
+        into the window and broadcasts the object without them to the node's other ranks,
+        which attach tensors over the same bytes (``torch.from_numpy``, no copy). Nothing
+        here goes through the ledger: it counts the federation's traffic, and this is the
+        node's setup (the same results, bytes included, with sharing on or off).
+
+        Falls back to every rank calling ``load`` with no error when sharing is off
+        (FEDMPI_NODE_SHARED=0), pointless (one rank on the node), not possible for the
+        object (no tensor attributes, a dtype numpy lacks) or not available from MPI (a
+        window cannot be allocated, e.g. ``OMPI_MCA_osc=^sm``). If the leader's ``load``
+        raises, the others call ``load`` too, so every rank reports its own error as
+        without sharing."""
+        if os.environ.get("FEDMPI_NODE_SHARED", "1").strip() == "0":
+            return load()
+        try:
+            node = self.comm.Split_type(self.MPI.COMM_TYPE_SHARED)
+        except self.MPI.Exception:
+            return load()
+        if node.Get_size() == 1:
+            node.Free()
+            return load()
+        leader = node.Get_rank() == 0
+        obj = plan = None
+        if leader:
+            try:
+                obj = load()
+            except BaseException:
+                node.bcast(None, root=0)   # release the others: they load (and fail) too
+                node.Free()
+                raise
+            plan = _share_plan(obj)
+            node.bcast(plan, root=0)
+        else:
+            plan = node.bcast(None, root=0)
+        if plan is None:
+            node.Free()
+            return obj if leader else load()
+        pickled, layout, nbytes = plan
+        window = self._allocate_shared(nbytes if leader else 0, node)
+        if not node.allreduce(window is not None, op=self.MPI.LAND):
+            # a window some ranks got is left to MPI_Finalize: freeing it is collective
+            # over ranks that have none
+            return obj if leader else load()
+        buffer, _ = window.Shared_query(0)
+        memory = np.frombuffer(buffer, dtype=np.uint8, count=nbytes)
+        target = obj if leader else pickle.loads(pickled)
+        window.Lock_all(self.MPI.MODE_NOCHECK)   # MPI's pattern for loads and stores
+        for name, dtype, shape, offset in layout:
+            array = memory[offset:offset + int(np.prod(shape)) * np.dtype(dtype).itemsize]
+            array = array.view(dtype).reshape(shape)
+            if leader:
+                np.copyto(array, getattr(obj, name).detach().numpy())
+            vars(target)[name] = torch.from_numpy(array)
+        window.Sync()      # the leader's stores are complete and visible ...
+        node.Barrier()
+        window.Sync()      # ... before any other rank reads
+        window.Unlock_all()
+        self.node_windows.append((node, window))
+        return target
+
+    def _allocate_shared(self, nbytes: int, node):
+        """An MPI shared-memory window of ``nbytes`` on this rank, or None where MPI has
+        none to give (collective over ``node``)."""
+        try:
+            return self.MPI.Win.Allocate_shared(nbytes, 1, comm=node)
+        except self.MPI.Exception:
+            return None
+
+
+_ALIGN = 64   # each array starts on a cache line
+
+
+def _share_plan(obj):
+    """(``obj`` without its CPU tensors, pickled; [(attribute, numpy dtype, shape, byte
+    offset)]; total bytes) for its CPU tensor attributes, or None where there is nothing
+    to share or the rest does not pickle."""
+    try:
+        attributes = vars(obj)
+    except TypeError:   # __slots__: no attribute dict to strip and refill
+        return None
+    tensors = {name: value for name, value in attributes.items()
+               if isinstance(value, torch.Tensor) and value.device.type == "cpu"}
+    layout, offset = [], 0
+    for name, tensor in tensors.items():
+        try:
+            dtype = torch.empty(0, dtype=tensor.dtype).numpy().dtype
+        except (TypeError, RuntimeError):   # a dtype numpy lacks (bfloat16)
+            return None
+        layout.append((name, dtype.str, tuple(tensor.shape), offset))
+        offset += -(-tensor.numel() * dtype.itemsize // _ALIGN) * _ALIGN
+    if not layout or offset == 0:
+        return None
+    try:
+        stripped = copy.copy(obj)
+        for name in tensors:
+            vars(stripped)[name] = None
+        pickled = pickle.dumps(stripped, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:   # noqa: BLE001 - whatever a plugin's object holds: load per rank
+        return None
+    return pickled, layout, offset

@@ -1,10 +1,11 @@
 """The worker's copy of the data, and each client's view of it.
 
 The whole training set is held once per worker as tensors on the device (uint8 images,
-text ids, float32 tabular features); a client is an index set into it. A batch is one
-index gather, for images one conversion to float (with the crop/flip augmentation
-batched on the device) and, for convolutional models, NHWC layout. No DataLoader, no
-per-sample Python.
+text ids, float32 tabular features; on the CPU these are the node's one shared copy,
+``Comm.node_shared``, so nothing here may write into them); a client is an index set
+into it. A batch is one index gather, for images one conversion to float (with the
+crop/flip augmentation batched on the device) and, for convolutional models, NHWC
+layout. No DataLoader, no per-sample Python.
 """
 
 from __future__ import annotations

@@ -52,8 +52,8 @@ def build_world(config, comm, alg, *, run: bool = True) -> World:
     device, autocast = agree(comm, device_and_precision)
     if device.type == "cuda":
         torch.cuda.set_device(device)   # before anything else touches CUDA
-    dataset = load_dataset(config.data.dataset, config.data.data_dir, seed=config.seed,
-                           **config.data.options)
+    dataset = comm.node_shared(lambda: load_dataset(  # once per node, see Comm.node_shared
+        config.data.dataset, config.data.data_dir, seed=config.seed, **config.data.options))
     # the partition: computed once on the server from the seed, broadcast (see `federate`)
     split = comm.bcast_obj(federate(config, dataset) if comm.is_server else None) if run else None
     channels_last = config.model.channels_last and run
