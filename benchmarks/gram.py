@@ -4,8 +4,10 @@ Under mpirun, K client updates of d values spread over the workers, as the runti
 them. Times, per round, (a) the FedAvg path: each worker sums its clients, one Reduce to
 the server; (b) the Gram path: Alltoallv transpose, per-block Grams, coefficients on the
 server, per-block weighted sums gathered to the server. Prints seconds (median of
---repeat) and the bytes each path moved, the largest amount any one rank received, and
-what gathering all K vectors on one rank would take instead:
+--repeat), the Gram path's over FedAvg's, and the bytes each path moved, the largest
+amount any one rank received, and what gathering all K vectors on one rank would take
+instead. Also the seconds of the per-block float64 products A_b A_b^T alone (all workers
+at once, the slowest one's): they fix G's bits, so the Gram path costs at least that:
 
     mpirun -n 3 python benchmarks/gram.py                      # d = 11.2M (ResNet-18), K = 10
     mpirun -n 5 --oversubscribe python benchmarks/gram.py --clients 100 --params 1000000
@@ -21,7 +23,7 @@ import numpy as np
 import torch
 
 from fedmpi.comm.mpi import MPIComm
-from fedmpi.runtime.gram import weighted_sum
+from fedmpi.runtime.gram import BLOCK, block_ranges, weighted_sum
 
 
 def main() -> None:
@@ -36,7 +38,9 @@ def main() -> None:
     assignment = [np.arange(w, k, workers) for w in range(workers)]
     mine = [torch.randn(d, generator=torch.Generator().manual_seed(int(c)))
             for c in assignment[comm.worker_index]] if comm.is_worker else []
-    results = {"fedavg": [], "gram": []}
+    results = {"fedavg": [], "gram": [], "products": []}
+    owned = block_ranges(d)[comm.worker_index::workers] if comm.is_worker else []
+    buffer = torch.randn(k * min(BLOCK, d), dtype=torch.float64)   # one block of K vectors
     moved = {}
     for _ in range(args.repeat):
         comm.ledger.take()
@@ -52,6 +56,13 @@ def main() -> None:
         weighted_sum(comm, mine, assignment, d, lambda g: np.full(len(g), 1.0 / len(g)))
         results["gram"].append(time.perf_counter() - start)
         moved["gram"] = comm.gather_obj(comm.ledger.take(), count=False)
+        comm.gather_obj(None, count=False)   # the workers start the products together
+        start = time.perf_counter()
+        for s, e in owned:
+            a = buffer[:k * (e - s)].view(k, e - s)
+            a @ a.T
+        seconds = comm.gather_obj(time.perf_counter() - start, count=False)
+        results["products"].append(max(seconds) if comm.is_server else 0.0)
     if comm.is_server:
         report = {"ranks": comm.size, "d": d, "clients": k}
         for path in ("fedavg", "gram"):
@@ -59,6 +70,8 @@ def main() -> None:
             report[path] = {"seconds": float(np.median(results[path])),
                             "mb_moved": sum(led.sent for led in ledgers) / 1e6,
                             "max_mb_received_by_one_rank": max(led.received for led in ledgers) / 1e6}
+        report["gram_over_fedavg"] = report["gram"]["seconds"] / report["fedavg"]["seconds"]
+        report["products_seconds"] = float(np.median(results["products"]))
         report["mb_to_gather_all_vectors_on_one_rank"] = k * d * 4 / 1e6
         print(json.dumps(report, indent=1))
 

@@ -7,17 +7,24 @@ coordinates are cut into fixed blocks of ``BLOCK`` values and block b belongs to
 b mod W:
 
 1. transpose (one Alltoallv): each worker sends every other worker the slices of its
-   clients' vectors in the blocks that worker owns. A worker then holds its blocks of
-   all K vectors, about K d / W values; each value crosses the network once.
+   clients' vectors in the blocks that worker owns (its own blocks' slices stay where
+   they are). A worker then holds its blocks of all K vectors, about K d / W values;
+   each value crosses the network once.
 2. Gram: each worker computes A_b A_b^T (float64) of each of its blocks and sends the
    K x K partials to the server, which adds them in block order.
 3. The server turns G into coefficients c (the algorithm's rule) and broadcasts K values.
 4. Combine: each worker computes sum_k c_k A_b[k] for its blocks (float64, clients in
    ascending id); the server gathers the blocks, d values in total, as a Reduce would.
 
+A_b (float64 [K, width], clients in ascending id) is written, from what was received and
+from the worker's own vectors, into one buffer reused for every block, once for step 2
+and once for step 4: the K d / W values are never held in float64, and the products
+always see one layout, a contiguous array at the start of a torch allocation (as a fresh
+``.double()`` copy of the block would be: a BLAS's summation order may depend on alignment).
 Blocks and every summation order depend on d and the client ids alone, so G and the sum
 are the same bits for any number of workers (deterministic mode runs one thread per
-rank, so each block's product runs the same kernel).
+rank, so each block's product runs the same kernel). The products are most of the cost:
+benchmarks/gram.py.
 """
 
 from __future__ import annotations
@@ -57,32 +64,50 @@ def weighted_sum(comm, vectors: list[torch.Tensor], assignment, d: int,
     order = np.sort(np.concatenate([np.asarray(a, dtype=np.int64) for a in assignment]))
     position = {int(c): i for i, c in enumerate(order)}
     k = len(order)
-    mine = _owned(len(blocks), comm.worker_index, workers) if comm.is_worker else []
+    me = comm.worker_index
+    mine = _owned(len(blocks), me, workers) if comm.is_worker else []
+    # the rows (positions among the K, ascending id) of each worker's clients, in its order
+    rows_of = [np.array([position[int(c)] for c in np.asarray(a).tolist()], dtype=np.int64)
+               for a in assignment]
 
-    # 1. transpose: my slices of every block, to the block's owner
-    stacked = torch.stack([v.detach().reshape(-1).float().cpu() for v in vectors]) \
-        if vectors else torch.zeros(0, d)
+    # 1. transpose: my slices of every other worker's blocks, to that worker, block by
+    #    block (my clients in order within a block); slices of my own blocks stay in place
+    local = [v.detach().reshape(-1).float().cpu().numpy() for v in vectors]
     parts = [np.zeros(0, np.float32) for _ in range(comm.size)]
     if comm.is_worker:
         for w in range(workers):
-            spans = [blocks[b] for b in _owned(len(blocks), w, workers)]
-            pieces = [stacked[:, s:e].reshape(-1) for s, e in spans]
-            parts[_rank_of(w, comm)] = torch.cat(pieces).numpy() if pieces else np.zeros(0, np.float32)
+            spans = [blocks[b] for b in _owned(len(blocks), w, workers)] if w != me else []
+            if spans and local:
+                parts[_rank_of(w, comm)] = np.concatenate([v[s:e] for s, e in spans for v in local])
     received = comm.alltoallv(parts)
-    owned = {b: np.zeros((k, blocks[b][1] - blocks[b][0]), np.float32) for b in mine}
-    if comm.is_worker:
+    # my i-th block spans starts[i]:starts[i + 1] of what each worker sent me
+    starts = np.cumsum([0] + [blocks[b][1] - blocks[b][0] for b in mine])
+    # one float64 buffer, reused for every block: each block of the K vectors is converted
+    # where it is used (Gram, then weighted sum), with no allocation per block
+    buffer = torch.empty(k * min(block, d) if mine else 0, dtype=torch.float64)
+
+    def rows(i: int) -> torch.Tensor:
+        """My i-th block of the K vectors: float64 [K, width], clients in ascending id."""
+        s, e = blocks[mine[i]]
+        width = e - s
+        a = buffer[:k * width].view(k, width)
+        target = a.numpy()
         for w in range(workers):
-            clients = [position[int(c)] for c in np.asarray(assignment[w]).tolist()]
-            data, offset = received[_rank_of(w, comm)], 0
-            for b in mine:
-                width = blocks[b][1] - blocks[b][0]
-                chunk = data[offset:offset + len(clients) * width].reshape(len(clients), width)
-                owned[b][clients] = chunk
-                offset += chunk.size
+            if w == me:
+                for row, v in zip(rows_of[w].tolist(), local):
+                    target[row] = v[s:e]
+            elif len(rows_of[w]):
+                n = len(rows_of[w])
+                data = received[_rank_of(w, comm)]
+                target[rows_of[w]] = data[n * starts[i]:n * starts[i + 1]].reshape(n, width)
+        return a
 
     # 2. Gram partials (torch's kernel, at the run's thread count), added in block order
-    partials = np.concatenate([_gram(owned[b]).reshape(-1) for b in mine]) if mine else np.zeros(0)
-    gathered = comm.gatherv(partials)
+    partials = np.zeros((len(mine), k, k))
+    for i in range(len(mine)):
+        a = rows(i)
+        partials[i] = (a @ a.T).numpy()
+    gathered = comm.gatherv(partials.reshape(-1))
     coef = np.zeros(k)
     if comm.is_server:
         by_block = {}
@@ -98,20 +123,17 @@ def weighted_sum(comm, vectors: list[torch.Tensor], assignment, d: int,
     comm.bcast(coef)
     weights = torch.from_numpy(coef)
     # one float64 product per block: a fixed shape, so the same kernel for any layout
-    sums = [(weights @ torch.from_numpy(owned[b]).double()).float().numpy() for b in mine]
-    gathered = comm.gatherv(np.concatenate(sums) if sums else np.zeros(0, np.float32))
+    sums = np.empty(int(starts[-1]), np.float32)
+    for i in range(len(mine)):
+        sums[starts[i]:starts[i + 1]] = (weights @ rows(i)).float().numpy()
+    gathered = comm.gatherv(sums)
     if not comm.is_server:
         return None, None
-    out = torch.zeros(d)
+    out = np.empty(d, np.float32)   # numpy's allocation: huge pages where the kernel allows
     for w in range(workers):
         data, offset = gathered[_rank_of(w, comm)], 0
         for b in _owned(len(blocks), w, workers):
             s, e = blocks[b]
-            out[s:e] = torch.from_numpy(data[offset:offset + e - s])
+            out[s:e] = data[offset:offset + e - s]
             offset += e - s
-    return out, coef
-
-
-def _gram(rows: np.ndarray) -> np.ndarray:
-    a = torch.from_numpy(rows).double()
-    return (a @ a.T).numpy()
+    return torch.from_numpy(out), coef
