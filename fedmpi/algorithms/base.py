@@ -215,6 +215,24 @@ class Algorithm:
     def local_update(self, task: ClientTask, payload, client_state, ctx: RoundContext) -> Upload:
         raise NotImplementedError
 
+    def local_update_group(self, tasks: list[ClientTask], payload, client_states: list,
+                           ctx: RoundContext) -> list[Upload]:
+        """The local updates of a group of clients in lock-step (``system.client_group``,
+        fedmpi.algorithms.group_sgd): ``tasks`` come in non-increasing step count, their
+        states in the same order; returns one Upload per task, each what ``local_update``
+        would return (up to float rounding). A method that defines it trains in groups."""
+        raise NotImplementedError
+
+    @classmethod
+    def trains_in_groups(cls) -> bool:
+        """Whether ``local_update_group`` serves this class: it must be defined at or
+        below the class that defines ``local_update``, so a method that changes its local
+        update without a group form of the change is refused, not silently wrong."""
+        def owner(name: str) -> type:
+            return next(k for k in cls.__mro__ if name in vars(k))
+        group = owner("local_update_group")
+        return group is not Algorithm and issubclass(group, owner("local_update"))
+
     def contribution(self, upload: Upload) -> dict[str, torch.Tensor]:
         n = float(upload.num_samples)
         return {"delta": upload.delta * n,

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import local_sgd, server_opt
+from . import group_sgd, local_sgd, server_opt
 from .base import Algorithm, register
 from .fedprox import proximal
 from .params import Params, param
@@ -54,10 +54,16 @@ class FedACG(Algorithm):
 
     def local_update(self, task, payload, client_state, ctx):
         x_hat = payload["x_hat"]
+        return local_sgd.local_update(task, x_hat, ctx, self.correction(x_hat[:task.model.num_params]))
+
+    def local_update_group(self, tasks, payload, client_states, ctx):
+        x_hat = payload["x_hat"]
+        return group_sgd.local_update(tasks, x_hat, ctx, self.correction(x_hat))
+
+    def correction(self, x_hat):
         # The gradient of beta ||.||^2 (repo) is twice that of (beta/2) ||.||^2 (paper).
         mu = self.params.beta * (2.0 if self.params.prox_form == "repo" else 1.0)
-        correction = proximal(mu, x_hat[:task.model.num_params]) if mu else None
-        return local_sgd.local_update(task, x_hat, ctx, correction)
+        return proximal(mu, x_hat) if mu else None
 
     def contribution(self, upload):
         return server_opt.count_once(upload)   # the repo's plain mean over S_t

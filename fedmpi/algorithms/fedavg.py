@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import local_sgd
+from . import group_sgd, local_sgd
 from .base import Algorithm, Params, register
 
 
@@ -25,3 +25,6 @@ class FedAvg(Algorithm):
 
     def local_update(self, task, payload, client_state, ctx):
         return local_sgd.local_update(task, payload["x"], ctx)
+
+    def local_update_group(self, tasks, payload, client_states, ctx):
+        return group_sgd.local_update(tasks, payload["x"], ctx)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import local_sgd, momentum, schedule
+from . import group_sgd, local_sgd, momentum, schedule
 from .base import register
 from .fedavg import FedAvg
 from .params import Params, param
@@ -52,6 +52,9 @@ class FedCM(FedAvg):
 
     def local_update(self, task, payload, client_state, ctx):
         return local_sgd.local_update(task, payload["x"], ctx, self.correction(payload))
+
+    def local_update_group(self, tasks, payload, client_states, ctx):
+        return group_sgd.local_update(tasks, payload["x"], ctx, self.correction(payload))
 
     def correction(self, payload):
         return momentum.mixed(self.params.alpha, payload["m"])

@@ -24,16 +24,17 @@ from dataclasses import dataclass
 
 import torch
 
-from . import local_sgd
+from . import group_sgd, local_sgd
 from .base import Algorithm, register
+from .local_sgd import rows_of
 from .params import Params, param
 
 
 def dynamic_regulariser(alpha: float, grad_l: torch.Tensor, anchor: torch.Tensor):
     """Gradient of -<grad L_i, w> + (alpha/2)||w - x^t||^2: g += alpha (w - x^t) - grad L_i."""
     def correct(grads, params):
-        n = grads.numel()
-        grads.add_(params, alpha=alpha).sub_(anchor[:n], alpha=alpha).sub_(grad_l[:n])
+        grads.add_(params, alpha=alpha).sub_(rows_of(anchor, grads), alpha=alpha) \
+            .sub_(rows_of(grad_l, grads))
     return correct
 
 
@@ -68,6 +69,14 @@ class FedDyn(Algorithm):
         upload = local_sgd.local_update(task, x, ctx, dynamic_regulariser(alpha, grad_l, x))
         upload.state = {"grad_l": grad_l - alpha * upload.delta}
         return upload
+
+    def local_update_group(self, tasks, payload, client_states, ctx):
+        x, alpha = payload["x"], self.params.alpha
+        grad_l = torch.stack([s["grad_l"] for s in client_states])
+        uploads = group_sgd.local_update(tasks, x, ctx, dynamic_regulariser(alpha, grad_l, x))
+        for i, upload in enumerate(uploads):
+            upload.state = {"grad_l": grad_l[i] - alpha * upload.delta}
+        return uploads
 
     def contribution(self, upload):
         return {"delta": upload.delta}

@@ -29,8 +29,9 @@ import numpy as np
 import torch
 
 from ..errors import UsageError
-from . import local_sgd, schedule
+from . import group_sgd, local_sgd, schedule
 from .base import Algorithm, register
+from .local_sgd import rows_of
 from .fedprox import proximal
 from .params import Params, param, param_error
 
@@ -40,8 +41,9 @@ def heavy_ball(rho: float, like: torch.Tensor):
     velocity = torch.zeros_like(like)
 
     def correct(grads, params):
-        velocity.mul_(rho).add_(grads)
-        grads.copy_(velocity)
+        v = rows_of(velocity, grads)
+        v.mul_(rho).add_(grads)
+        grads.copy_(v)
     return correct
 
 
@@ -102,13 +104,26 @@ class FedNova(Algorithm):
         return float(np.sum(n * gathered["a"]) / np.sum(n))
 
     def local_update(self, task, payload, client_state, ctx):
-        x, p = payload["x"], self.params
-        correction = None
+        x = payload["x"]
+        upload = local_sgd.local_update(task, x, ctx, self.correction(x, task.model.grads))
+        return self._normalized(upload, ctx)
+
+    def local_update_group(self, tasks, payload, client_states, ctx):
+        x, model = payload["x"], tasks[0].model
+        like = model.grads.new_empty(len(tasks), model.num_params)  # a velocity per client
+        uploads = group_sgd.local_update(tasks, x, ctx, self.correction(x, like))
+        return [self._normalized(u, ctx) for u in uploads]
+
+    def correction(self, x, grads_like):
+        p = self.params
         if p.rho:
-            correction = heavy_ball(p.rho, task.model.grads)
-        elif p.mu:
-            correction = proximal(p.mu, x[:task.model.num_params])
-        upload = local_sgd.local_update(task, x, ctx, correction)
+            return heavy_ball(p.rho, grads_like)
+        if p.mu:
+            return proximal(p.mu, x)
+        return None
+
+    def _normalized(self, upload, ctx):
+        p = self.params
         a = normalizer(upload.steps, p.rho or ctx.momentum, ctx.lr * p.mu)
         upload.extras["a"] = torch.tensor([a], dtype=torch.float64)
         return upload

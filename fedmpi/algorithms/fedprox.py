@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import local_sgd
+from . import group_sgd, local_sgd
 from .base import register
 from .fedavg import FedAvg
+from .local_sgd import rows_of
 from .params import Params, param
 
 
@@ -24,7 +25,7 @@ def proximal(mu: float, anchor):
     float buffers (BatchNorm statistics) follow the parameters: only its first
     len(params) values are used."""
     def correct(grads, params):
-        grads.add_(params, alpha=mu).sub_(anchor[:params.numel()], alpha=mu)
+        grads.add_(params, alpha=mu).sub_(rows_of(anchor, grads), alpha=mu)
     return correct
 
 
@@ -41,3 +42,7 @@ class FedProx(FedAvg):
         x = payload["x"]   # parameters, then float buffers: the anchor is the first part
         return local_sgd.local_update(task, x, ctx,
                                       proximal(self.params.mu, x[:task.model.num_params]))
+
+    def local_update_group(self, tasks, payload, client_states, ctx):
+        x = payload["x"]
+        return group_sgd.local_update(tasks, x, ctx, proximal(self.params.mu, x))

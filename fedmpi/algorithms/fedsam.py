@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import local_sgd
+from . import group_sgd, local_sgd
 from .base import register
 from .fedavg import FedAvg
 from .params import Params, param
@@ -33,3 +33,6 @@ class FedSAM(FedAvg):
     def local_update(self, task, payload, client_state, ctx):
         return local_sgd.local_update(task, payload["x"], ctx,
                                       gradient_fn=sam_gradient(self.params.rho))
+
+    def local_update_group(self, tasks, payload, client_states, ctx):
+        return group_sgd.local_update(tasks, payload["x"], ctx, sam_rho=self.params.rho)

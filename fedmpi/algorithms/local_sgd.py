@@ -31,6 +31,17 @@ Correction = Callable[[torch.Tensor, torch.Tensor], None]
 GradientFn = Callable[[ClientTask, torch.Tensor, torch.Tensor, Callable], torch.Tensor]
 
 
+def rows_of(vector: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
+    """The part of ``vector`` a correction applies to ``grads``: the first n values of a
+    vector over the flat state (parameters, then float buffers; n = the parameters'
+    count), or of a client group's (fedmpi.algorithms.group_sgd) per-client stack [G, d]
+    the rows of the clients in ``grads`` [a, n]. One correction serves both paths."""
+    n = grads.shape[-1]
+    if vector.dim() == 1:
+        return vector[:n]
+    return vector[:grads.shape[0], :n]
+
+
 def sgd_step(params: torch.Tensor, grads: torch.Tensor, lr: float, weight_decay: float,
              clip_norm: float, velocity: torch.Tensor | None = None, momentum: float = 0.0,
              nesterov: bool = False) -> None:

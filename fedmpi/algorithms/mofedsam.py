@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import local_sgd
+from . import group_sgd, local_sgd
 from .base import register
 from .fedcm import FedCM
 from .params import param
@@ -35,3 +35,7 @@ class MoFedSAM(FedCM):
     def local_update(self, task, payload, client_state, ctx):
         return local_sgd.local_update(task, payload["x"], ctx, self.correction(payload),
                                       gradient_fn=sam_gradient(self.params.rho))
+
+    def local_update_group(self, tasks, payload, client_states, ctx):
+        return group_sgd.local_update(tasks, payload["x"], ctx, self.correction(payload),
+                                      sam_rho=self.params.rho)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .local_sgd import Correction
+from .local_sgd import Correction, rows_of
 
 
 def gradient_units(update: torch.Tensor, steps: float, lr_prev: float) -> torch.Tensor:
@@ -45,5 +45,5 @@ def mixed(alpha: float, m: torch.Tensor) -> Correction:
     buffers such as BatchNorm statistics; fedmpi.flat.FlatModel); the gradient has the
     parameters' num_params entries, so only m's first num_params values enter."""
     def correct(grads, params):
-        grads.mul_(alpha).add_(m[:grads.numel()], alpha=1.0 - alpha)
+        grads.mul_(alpha).add_(rows_of(m, grads), alpha=1.0 - alpha)
     return correct

@@ -25,8 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from . import local_sgd, schedule, server_opt
+from . import group_sgd, local_sgd, schedule, server_opt
 from .base import Algorithm, register
+from .local_sgd import rows_of
 from .params import Params, param
 
 STEP_COUNTS = ("actual", "nominal")
@@ -35,7 +36,7 @@ STEP_COUNTS = ("actual", "nominal")
 def control_variate(correction: torch.Tensor):
     """Gradient correction g += c - c_i (one vector, computed once per client)."""
     def correct(grads, params):
-        grads.add_(correction[:grads.numel()])
+        grads.add_(rows_of(correction, grads))
     return correct
 
 
@@ -74,6 +75,15 @@ class Scaffold(Algorithm):
     def local_update(self, task, payload, client_state, ctx):
         x, c, c_i = payload["x"], payload["c"], client_state["c_i"]
         upload = local_sgd.local_update(task, x, ctx, control_variate(c - c_i))
+        return self._control_update(task, upload, c, c_i, ctx)
+
+    def local_update_group(self, tasks, payload, client_states, ctx):
+        x, c = payload["x"], payload["c"]
+        c_i = torch.stack([s["c_i"] for s in client_states])
+        uploads = group_sgd.local_update(tasks, x, ctx, control_variate(c - c_i))
+        return [self._control_update(t, u, c, c_i[i], ctx) for i, (t, u) in enumerate(zip(tasks, uploads))]
+
+    def _control_update(self, task, upload, c, c_i, ctx):
         k = self._num_steps(task, upload, ctx)
         # A client without a step has learnt nothing about its drift: keep c_i.
         c_new = c_i - c - upload.delta / (k * ctx.lr) if k > 0 else c_i.clone()

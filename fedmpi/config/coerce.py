@@ -79,6 +79,10 @@ def _coerce(field_name: str, value: Any, kind) -> Any:
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise field_error(field_name, f"expected a list of strings, got {value!r}")
         return value
+    if kind == (int | str):
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise field_error(field_name, f"expected an integer or a string, got {value!r}")
+        return value
     base = str if optional else kind
     if base is bool:
         if not isinstance(value, bool):

@@ -134,6 +134,9 @@ class SystemConfig:
     threads: int = 0                   # torch threads per rank; 0 = auto: a worker takes its
                                        # share of the node's cores (all of them in a single-
                                        # process run), the server 1; deterministic runs: 1
+    client_group: int | str = 1        # clients a worker trains in lock-step as one computation
+                                       # (vectorised; cross-device FL): 1 = one after another,
+                                       # G > 1 = groups of G, "auto" = from the model's size
     state_memory_mb: int = 4096        # client state kept in memory; past it, spilled to disk
     state_dir: str | None = None       # where spilled client state goes (default: a temp dir)
     checkpoint_every: int = 10         # rounds between checkpoints in the results file; 0 = only

@@ -100,6 +100,7 @@ def resolve_and_validate(c: ExperimentConfig) -> None:
     if algorithms.REGISTRY[c.algorithm.name].needs_public and not c.data.public_size:
         raise field_error("data.public_size", f"algorithm {c.algorithm.name!r} needs a server-"
                           f"side public set; set it > 0 (fnrfl_fmnist uses 320)")
+    _validate_client_group(c)
     _validate_paths(c)
 
 
@@ -122,6 +123,34 @@ def _validate_train(c: ExperimentConfig) -> None:
     if tr.nesterov and not tr.momentum:
         raise field_error("train.nesterov", "needs train.momentum > 0 (Nesterov is a kind of "
                                             "momentum)")
+
+
+GROUP_MAX = 4096   # clients in one lock-step group; each holds a model copy in memory
+
+
+def _validate_client_group(c: ExperimentConfig) -> None:
+    """``system.client_group``: 1, an integer G up to GROUP_MAX or "auto"; anything but 1
+    needs an algorithm with a group form of its local update and a model that a group
+    can share (no dropout, whose draws would be the group's rather than each client's;
+    no recurrent layers)."""
+    from .. import algorithms, models
+
+    group = c.system.client_group
+    if group == "auto" or (isinstance(group, int) and 1 <= group <= GROUP_MAX):
+        pass
+    else:
+        raise field_error("system.client_group", f"must be an integer in [1, {GROUP_MAX}] or "
+                                                 f"\"auto\", got {group!r}")
+    if group == 1:
+        return
+    if not algorithms.REGISTRY[c.algorithm.name].trains_in_groups():
+        able = sorted(n for n, cls in algorithms.REGISTRY.items() if cls.trains_in_groups())
+        raise field_error("system.client_group", f"algorithm {c.algorithm.name!r} has no group "
+                          f"form of its local update yet; set 1 (one client after another) or "
+                          f"use one of {', '.join(able)}")
+    problem = models.group_problem(c.model.name, c.model.options)
+    if problem:
+        raise field_error("system.client_group", f"{problem}; set 1 (one client after another)")
 
 
 def _check_fixed(obj, prefix: str) -> None:

@@ -21,12 +21,13 @@ from torch import nn
 from fedmpi.errors import UsageError
 from fedmpi.models.cnn import CNN
 from fedmpi.models.lstm import CharLSTM
-from fedmpi.models.mlp import MLP
+from fedmpi.models.mlp import MLP, TwoNN
 from fedmpi.models.resnet import STEMS, WIDTHS, ResNet18
 from fedmpi.models.vgg import NORMS, VGG11
 
 __all__ = ["COMMON_OPTIONS", "MODELS", "ModelSpec", "Option", "add_projection_head",
-           "build_model", "check_model_for_data", "check_options", "model_options"]
+           "build_model", "check_model_for_data", "check_options", "group_problem",
+           "model_options"]
 
 Check = Callable[[str, Any], Any]
 """Validates one option value: (field name, value) -> normalised value, or raises UsageError."""
@@ -127,6 +128,10 @@ MODELS: dict[str, ModelSpec] = {
         "hidden": Option(256, positive_int, "units of each LSTM layer"),
         "layers": Option(2, positive_int, "stacked LSTM layers"),
     }, modality="text"),
+    "2nn": ModelSpec(TwoNN, "McMahan et al. 2017 2NN: flattened image, 2 hidden layers of 200, "
+                            "ReLU (199,210 params on 28x28x1)", {
+        "hidden": Option((200, 200), positive_int_list, "widths of the hidden layers"),
+    }),
     "mlp": ModelSpec(MLP, "fully connected network with ReLU for tabular features", {
         "hidden": Option((64, 64), positive_int_list,
                          "widths of the hidden layers ([] = logistic regression)"),
@@ -188,6 +193,19 @@ def _resolve(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
     resolved.update({key: option.check(f"model.{key}", options[key])
                      for key, option in COMMON_OPTIONS.items() if key in options})
     return resolved
+
+
+def group_problem(name: str, options: Mapping[str, Any]) -> str | None:
+    """Why model ``name`` with its resolved ``options`` cannot train in client groups
+    (``system.client_group``; fedmpi.algorithms.group_sgd), or None. A group shares the
+    module's forward: dropout would draw one mask stream for all its clients, and
+    recurrent layers have no batched-weight form under torch.func.vmap."""
+    if _spec(name).modality == "text":
+        return f"model {name!r} is recurrent and has no group form"
+    if options.get("dropout", 0):
+        return (f"model {name!r} has dropout (model.dropout = {options['dropout']}), whose masks "
+                f"a group would share; set model.dropout = 0")
+    return None
 
 
 def check_options(name: str, options: Mapping[str, Any]) -> dict[str, Any]:

@@ -35,3 +35,17 @@ class MLP(Classifier):
     def features(self, x: torch.Tensor) -> torch.Tensor:
         """Penultimate representation [B, hidden[-1]] (x itself without hidden layers)."""
         return self.body(x)
+
+
+class TwoNN(MLP):
+    """The "2NN" of McMahan et al., "Communication-Efficient Learning of Deep Networks from
+    Decentralized Data" (AISTATS 2017, https://arxiv.org/abs/1602.05629): the image
+    flattened, two hidden layers of 200 units with ReLU, a linear classifier (199,210
+    parameters on 28x28x1), the small model of cross-device FL."""
+
+    def __init__(self, in_channels: int, num_classes: int, image_size: int,
+                 hidden: tuple[int, ...] = (200, 200)):
+        super().__init__(in_channels * image_size * image_size, num_classes, 1, hidden)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x.flatten(1))

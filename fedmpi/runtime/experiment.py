@@ -34,16 +34,17 @@ import numpy as np
 import torch
 
 from .. import algorithms, signals
+from ..algorithms import group_sgd
 from ..errors import UsageError
 from ..results.writer import FileReplacedError
 from .observers import RoundRecord, default_observers
 from .observers.divergence import DIVERGED
 from .observers.preemption import EXIT_PREEMPTED, PREEMPTED
 from .phase import Contributions, Phases, StopRun, round_context, sum_in_client_order
-from .plan import sample_clients
+from .plan import GROUP_MEMORY_CPU, group_size, sample_clients
 from .records import (CLIENT_FIELDS, RANK_FIELDS, ROUND_FIELDS, Timers, Traffic, client_columns,
                       gather_ranks, rank_columns, round_row, start_row)
-from .rng import key_seed
+from .rng import key_seed, seed_global
 from .runfile import create_file, resume_file
 from .scoring import evaluate
 from .state import ClientStateStore
@@ -53,6 +54,14 @@ from .world import build_world, eval_batch_size, rank_info, rank_table
 
 __all__ = ["CLIENT_FIELDS", "EXIT_PREEMPTED", "RANK_FIELDS", "ROUND_FIELDS", "Contributions",
            "Experiment", "StopRun", "eval_batch_size", "rank_table", "sum_in_client_order"]
+
+
+def group_memory(device: torch.device) -> int:
+    """Bytes a client group may take on ``device``: GROUP_MEMORY_CPU on a CPU, a quarter of
+    what is free on a GPU."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0] // 4
+    return GROUP_MEMORY_CPU
 
 
 class Experiment:
@@ -80,6 +89,9 @@ class Experiment:
         self.public, self.sizes = self.split.public, self.split.sizes
         # Placement balances local steps, which is what training time is proportional to.
         self.steps = -(-self.sizes // cfg.train.batch_size)
+        self.group = self._client_group()
+        if self.group > 1 and comm.is_worker:
+            group_sgd.warm_up()
         self.ranks = comm.gather_obj(rank_info(comm, world), count=False)
         if comm.is_server:
             self.eval_batch = eval_batch_size(cfg.eval.batch_size, [r["device"] for r in self.ranks])
@@ -97,7 +109,31 @@ class Experiment:
         self.phases = Phases(comm, self.alg, self.d, self.device, self.steps,
                              context=partial(round_context, cfg), make_task=self._task,
                              store=self.store, deterministic=cfg.system.deterministic,
-                             update_stats=cfg.eval.update_stats)
+                             update_stats=cfg.eval.update_stats, group=self.group)
+
+    def _client_group(self) -> int:
+        """``system.client_group`` resolved, the same on every rank ("auto": by the
+        smallest memory budget of the workers' devices)."""
+        cfg, comm, flat = self.config, self.comm, self.flat
+        setting = cfg.system.client_group
+        if setting != 1 and flat.size != flat.num_params:
+            raise UsageError("config field system.client_group: the model has float buffers "
+                             "(BatchNorm statistics), which a client group cannot carry per "
+                             "client; set 1 (one client after another)")
+        if setting != "auto":
+            return setting
+        mine = (group_memory(self.device), self.device.type == "cpu", torch.get_num_threads()) \
+            if comm.is_worker else None
+        workers = [w for w in comm.gather_obj(mine, count=False) or [] if w is not None]
+        size = None
+        if comm.is_server:
+            convolutions = any(isinstance(m, torch.nn.Conv2d) for m in flat.module.modules())
+            on_cpu = all(cpu for _, cpu, _ in workers)
+            one_thread = any(threads == 1 for _, _, threads in workers)
+            size = group_size("auto", self.d, cfg.clients.per_round, comm.num_workers,
+                              min(free for free, _, _ in workers),
+                              sequential_faster=on_cpu and (convolutions or one_thread))
+        return comm.bcast_obj(size)
 
     def _task(self, c, ctx, p) -> algorithms.ClientTask:
         """Client c's data (its stream keyed by seed, round, client, phase) on the model."""
@@ -107,7 +143,7 @@ class Experiment:
                                   stream="public") if len(self.public) else None
         task = algorithms.ClientTask(client=c, data=data, model=self.flat, device=self.device,
                                      public=public, autocast=self.autocast)
-        torch.manual_seed(key_seed(cfg.seed, "client", t, c, p))  # dropout
+        seed_global(key_seed(cfg.seed, "client", t, c, p), self.device)  # dropout
         return task
 
     # ---- the loop -----------------------------------------------------------------------

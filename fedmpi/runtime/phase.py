@@ -24,7 +24,7 @@ from .. import algorithms
 from ..algorithms import schedule
 from ..flat import WIRE_BYTES
 from . import gram
-from .plan import place
+from .plan import groups, place
 from .records import Timers, Traffic
 from .stats import STAT_SIZES_KEYS, stat_contribution
 
@@ -63,6 +63,7 @@ class Phases:
     store: object = None
     deterministic: bool = False
     update_stats: bool = False
+    group: int = 1          # system.client_group, resolved: clients trained in lock-step
 
     def run(self, state, t: int, p: int, phase: str, sampled, timers: Timers,
             traffic: Traffic, stop=None, after_client=None) -> PhaseResult | None:
@@ -119,7 +120,7 @@ class Phases:
                 buf = torch.cat([v.reshape(-1).to(torch.float32) for v in payload.values()])
             else:
                 participants, spec = np.zeros(0, dtype=np.int64), None
-            head = (stop, participants, place(participants, self.steps, comm.num_workers), spec)
+            head = (stop, participants, place(participants, self.steps, comm.num_workers, self.group), spec)
         stop, participants, assignment, spec = comm.bcast_obj(head)
         if stop:
             raise StopRun(stop)
@@ -139,29 +140,56 @@ class Phases:
         return sizes
 
     def train(self, assignment, payload, states, ctx, p, after_client=None):
-        """Train this worker's clients, folding each contribution in as it comes."""
+        """Train this worker's clients, folding each contribution in as it comes (client
+        groups: a group's at the end of the group)."""
         sizes = self.sizes(p)
         folded = Contributions(sizes, self.device, keep_each=self.deterministic)
-        rows, new_states, vectors, aside = [], {}, [], 0.0
+        rows, new_states, vectors, aside = [], {}, {}, 0.0
         keep = self.alg.gram_weighted(ctx.phase)
-        mine = assignment[self.comm.worker_index] if self.comm.is_worker else []
-        for c, state in self.device_states(np.asarray(mine).tolist(), states):
-            t0 = time.perf_counter()
-            task = self.make_task(c, ctx, p)
-            upload = self.alg.local_update(task, payload, state, ctx)
-            if after_client is not None:   # sees the client's local model before it is reloaded
-                aside += after_client(c, upload)
+        mine = np.asarray(assignment[self.comm.worker_index] if self.comm.is_worker else [])
+
+        def fold(c, upload, seconds):
             contribution = self.alg.contribution(upload)
             if STAT_SIZES_KEYS[0] in sizes:
                 contribution = {**contribution, **stat_contribution(upload.delta)}
-            folded.add(contribution)
+            folded.add(contribution, c)
             if keep:  # the gram path needs each client's update (host memory: K_w d)
-                vectors.append(upload.delta.detach().float().cpu())
+                vectors[c] = upload.delta.detach().float().cpu()
             if upload.state is not None:
                 new_states[c] = {k: v.detach().cpu().numpy() for k, v in upload.state.items()}
-            rows.append(self.client_row(c, upload, time.perf_counter() - t0, ctx.phase))
+            rows.append(self.client_row(c, upload, seconds, ctx.phase))
+
+        if self.group > 1:
+            self.train_groups(mine, payload, states, ctx, p, fold)
+        else:
+            for c, state in self.device_states(mine.tolist(), states):
+                t0 = time.perf_counter()
+                task = self.make_task(c, ctx, p)
+                upload = self.alg.local_update(task, payload, state, ctx)
+                if after_client is not None:   # sees the client's local model before it is reloaded
+                    aside += after_client(c, upload)
+                fold(c, upload, time.perf_counter() - t0)
         table = np.asarray(rows, dtype=np.float64).reshape(-1, self.row_width(ctx.phase))
-        return folded, table, new_states, vectors, aside
+        return folded, table, new_states, [vectors[c] for c in sorted(vectors)], aside
+
+    def train_groups(self, mine, payload, states, ctx, p, fold) -> None:
+        """This worker's client groups (plan.groups of the phase's participants: the
+        units ``place`` gave it), each in one ``local_update_group``; a group's seconds
+        are shared equally by its clients' rows."""
+        own = set(mine.tolist())
+        for unit in groups(np.asarray(ctx.participants, dtype=np.int64), self.steps, self.group):
+            clients = unit.tolist()
+            if clients[0] not in own:
+                continue
+            t0 = time.perf_counter()
+            tasks = [self.make_task(c, ctx, p) for c in clients]
+            client_states = [None if states.get(c) is None else
+                             {k: torch.from_numpy(v).to(self.device) for k, v in states[c].items()}
+                             for c in clients]
+            uploads = self.alg.local_update_group(tasks, payload, client_states, ctx)
+            seconds = (time.perf_counter() - t0) / len(clients)
+            for c, upload in zip(clients, uploads):
+                fold(c, upload, seconds)
 
     def client_row(self, c, upload, seconds, phase: str) -> np.ndarray:
         """The ROW values, then the fields the algorithm gathers in this phase."""
@@ -293,9 +321,9 @@ class Contributions:
         self.sizes, self.device, self.keep_each = sizes, device, keep_each
         self.total = sum(sizes.values())
         self.sum = None if keep_each else torch.zeros(self.total, device=device)
-        self.each: list[torch.Tensor] = []
+        self.each: dict[int, torch.Tensor] = {}
 
-    def add(self, contribution: dict[str, torch.Tensor]) -> None:
+    def add(self, contribution: dict[str, torch.Tensor], client: int) -> None:
         target = torch.empty(self.total, device=self.device) if self.keep_each else None
         offset = 0
         for name, n in self.sizes.items():
@@ -306,12 +334,15 @@ class Contributions:
                 self.sum[offset:offset + n] += piece
             offset += n
         if self.keep_each:
-            self.each.append(target.cpu())
+            self.each[client] = target.cpu()
 
     def host(self) -> torch.Tensor:
+        """The running sum, or the per-client vectors in ascending client id (the order
+        of the worker's assignment, which the server's in-order sum expects)."""
         if not self.keep_each:
             return self.sum.cpu()
-        return torch.stack(self.each) if self.each else torch.zeros(0, self.total)
+        each = [self.each[c] for c in sorted(self.each)]
+        return torch.stack(each) if each else torch.zeros(0, self.total)
 
 
 def sum_in_client_order(parts, assignment, total: int) -> torch.Tensor:

@@ -56,18 +56,53 @@ def sample_clients(seed: int, round_: int, num_clients: int, per_round: int,
     return np.sort(rng.choice(num_clients, size=per_round, replace=False)).astype(np.int64)
 
 
-def place(clients: np.ndarray, sizes: np.ndarray, num_workers: int) -> list[np.ndarray]:
+# What "auto" gives a client group on a CPU: rows, gradients and autograd's copies of a
+# G-client group stay within this many bytes (on a GPU: a quarter of its free memory).
+GROUP_MEMORY_CPU = 1 << 30
+GROUP_VECTORS = 6   # d-sized float32 vectors one client of a group holds at once, about
+
+
+def group_size(setting, d: int, per_round: int, num_workers: int, free_bytes: int,
+               sequential_faster: bool = False) -> int:
+    """``system.client_group`` resolved: the given G, or for "auto" the largest group that
+    fits ``free_bytes`` (GROUP_VECTORS d floats a client) and leaves every worker a
+    group of its own (ceil(per_round / workers): groups are placed whole); 1 where
+    ``sequential_faster`` (benchmarks/cross_device.py, on a CPU): convolutions, whose
+    per-client-weight (grouped) kernels lose to one client's NHWC kernels on
+    cache-resident flat buffers; and one-thread workers, where a group's larger kernels
+    have no second thread to use and one client's small ones are as fast."""
+    if setting != "auto":
+        return int(setting)
+    if sequential_faster:
+        return 1
+    by_memory = free_bytes // (GROUP_VECTORS * 4 * max(d, 1))
+    return int(max(1, min(by_memory, -(-per_round // max(num_workers, 1)))))
+
+
+def groups(clients, sizes: np.ndarray, group: int) -> list[np.ndarray]:
+    """The client groups of a phase (``system.client_group`` = ``group``): its clients in
+    decreasing ``sizes`` (local steps; ties by id), cut into runs of ``group``. A group
+    trains in lock-step (fedmpi.algorithms.group_sgd), so its clients have similar step
+    counts and, in this order, the ones still training are always its first ones. A pure
+    function of the clients and their sizes: the same groups for any number of ranks."""
+    order = sorted(np.asarray(clients).tolist(), key=lambda c: (-int(sizes[c]), c))
+    return [np.array(order[i:i + group], dtype=np.int64) for i in range(0, len(order), group)]
+
+
+def place(clients: np.ndarray, sizes: np.ndarray, num_workers: int,
+          group: int = 1) -> list[np.ndarray]:
     """Balance clients over workers by sample count (longest first onto the least loaded).
 
-    Deterministic (ties broken by client id, then worker index); each worker's clients
-    come back ascending. Placement never changes results, only the time a round takes.
+    With ``group`` > 1 the units placed are the client groups (``groups``), each whole on
+    one worker, weighed by their total size. Deterministic (ties broken by client id,
+    then worker index); each worker's clients come back ascending. Placement never
+    changes results, only the time a round takes.
     """
-    order = sorted(clients.tolist(), key=lambda c: (-int(sizes[c]), c))
     load = [(0, w) for w in range(num_workers)]
     heapq.heapify(load)
     assigned: list[list[int]] = [[] for _ in range(num_workers)]
-    for c in order:
+    for unit in groups(clients, sizes, group):
         total, w = heapq.heappop(load)
-        assigned[w].append(c)
-        heapq.heappush(load, (total + int(sizes[c]), w))
+        assigned[w].extend(unit.tolist())
+        heapq.heappush(load, (total + sum(int(sizes[c]) for c in unit.tolist()), w))
     return [np.array(sorted(a), dtype=np.int64) for a in assigned]

@@ -26,6 +26,17 @@ def numpy_rng(seed: int, purpose: str, *key: int) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence([seed, _purpose(purpose), *map(int, key)]))
 
 
+def seed_global(seed: int, device: torch.device) -> None:
+    """Seed torch's global generator of ``device`` (what dropout draws from): the CPU's, and
+    on a GPU also that device's. ``torch.manual_seed`` seeds the same streams but also
+    asks every lazily initialised backend (CUDA, XPU, MTIA) to seed later, formatting a
+    stack trace for each: 0.57 ms a call on a CPU, per client, measured."""
+    torch.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        torch.cuda.default_generators[index].manual_seed(seed)
+
+
 def torch_generator(seed: int, purpose: str, *key: int, device="cpu") -> torch.Generator:
     g = torch.Generator(device=device)
     g.manual_seed(key_seed(seed, purpose, *key))

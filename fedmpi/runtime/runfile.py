@@ -28,6 +28,7 @@ def create_file(exp, dataset, ranks) -> bool:
         "num_params": exp.d, "dataset_source": dataset.source,
         "algorithm_paper": exp.alg.paper, "command": " ".join(sys.argv),
         "writer": liveness.identity(), "eval_batch_size": exp.eval_batch,
+        "client_group": exp.group,
     }
     sources = getattr(cfg, "algorithm_param_sources", None)   # set by config.resolve
     if sources is not None:
@@ -63,7 +64,7 @@ def resume_file(exp, ranks) -> bool:
                          f"from the file's config (was the code changed?)")
     history.append({"round": exp.start, "world_size": exp.comm.size,
                     "git_commit": git_commit(), "ranks": ranks,
-                    "eval_batch_size": exp.eval_batch})
+                    "eval_batch_size": exp.eval_batch, "client_group": exp.group})
     # the last stop's details would be stale once the run goes on
     exp.writer = ResultsWriter.resume(path, exp.start, resumes=history, error="",
                                       interrupted_round=None, failed_round=None,

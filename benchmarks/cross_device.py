@@ -1,0 +1,160 @@
+"""W2, the cross-device workload: many small clients, small batches, small models.
+
+Fashion-MNIST, 1,000 clients with Dirichlet(0.3) label skew (about 60 samples each), 50
+clients per round, batch 10, E = 1 or 5 local epochs, FedAvg without clipping, the
+McMahan et al. 2017 CNN or 2NN. Each local step is tiny, so a simulator's per-step
+overhead and kernels too small to fill the cores decide the time. Variants, timed over
+the same rounds (setup excluded) in one run:
+
+- ``bare``: the sequential loop a researcher writes (torch.optim.SGD, the dataset
+  normalised once, fedmpi's batch order), 2 threads;
+- ``seq``: ``fedmpi run``, one process, clients one after another (client_group 1);
+- ``groups``: ``fedmpi run``, one process, ``system.client_group = "auto"`` (all 50);
+- ``seq-n3`` / ``groups-n3``: the same under ``mpirun -n 3`` (server + 2 workers,
+  1 thread each; "auto" gives groups of 25, one per worker).
+
+Prints the median seconds per training round (the last round, which also scores the
+test set, left out; a group run pays torch.func's one-time start-up at setup), the final
+test accuracy of every variant and the speed-up of groups over fedmpi's own sequential
+path (targets on a 2-core CPU: >= 2x for the 2NN,
+>= 1x for the CNN, the same accuracy within seed noise):
+
+    python benchmarks/cross_device.py --model 2nn --epochs 1
+    python benchmarks/cross_device.py --model cnn --epochs 5 --rounds 3 --group 10
+    python benchmarks/cross_device.py --model 2nn --rounds 100 --variants seq groups   # accuracy curve
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from overhead import _accuracy, _sub, batches, time_fedmpi  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from fedmpi import config as cfgmod  # noqa: E402
+from fedmpi.data import load_dataset, make_partition, to_float  # noqa: E402
+from fedmpi.models import build_model  # noqa: E402
+from fedmpi.results import RunFile  # noqa: E402
+from fedmpi.runtime.plan import sample_clients  # noqa: E402
+from fedmpi.runtime.rng import key_seed  # noqa: E402
+from fedmpi.runtime.system import tune_malloc  # noqa: E402
+
+VARIANTS = ("bare", "seq", "groups", "seq-n3", "groups-n3")
+
+
+def workload(model: str, epochs: int, rounds: int) -> dict:
+    return {
+        "name": "w2", "seed": 0, "rounds": rounds,
+        "data": {"dataset": "fashion_mnist"},
+        "partition": {"kind": "dirichlet", "alpha": 0.3},
+        "clients": {"num": 1000, "per_round": 50},
+        "model": {"name": model},
+        "algorithm": {"name": "fedavg"},
+        "train": {"local_epochs": epochs, "batch_size": 10, "lr": 0.05, "clip_norm": 0.0},
+        "eval": {"every": 100000, "at_start": False},   # scored once, after the last round
+    }
+
+
+def run_bare(values: dict) -> dict:
+    """Sequential FedAvg with torch.optim.SGD on fedmpi's partition, sampling and batches."""
+    torch.set_num_threads(2)
+    tune_malloc()
+    c = cfgmod.from_dict(values)
+    data = load_dataset(c.data.dataset, seed=c.seed)
+    part = make_partition(c.partition.kind, data.train_y.numpy(), c.clients.num, c.seed,
+                          **c.partition.params)
+    torch.manual_seed(key_seed(c.seed, "init"))
+    model = build_model(c.model.name, data.in_channels, data.num_classes, data.image_size,
+                        **c.model.options)
+    x_all, y_all = to_float(data.train_x, data.mean, data.std), data.train_y
+    global_state = {k: v.clone() for k, v in model.state_dict().items()}
+    walls = []
+    for t in range(c.rounds):
+        t0 = time.perf_counter()
+        total = {k: torch.zeros_like(v) for k, v in global_state.items()}
+        clients = sample_clients(c.seed, t, c.clients.num, c.clients.per_round)
+        weight = float(part.sizes[clients].sum())
+        for client in clients.tolist():
+            model.load_state_dict(global_state)
+            opt = torch.optim.SGD(model.parameters(), lr=c.train.lr * c.train.lr_decay ** t)
+            model.train()
+            for b in batches(c, part, t, client, c.train.local_epochs):
+                opt.zero_grad()
+                F.cross_entropy(model(x_all[b]), y_all[b]).backward()
+                opt.step()
+            for k, v in model.state_dict().items():
+                total[k] += v * (part.sizes[client] / weight)
+        global_state = total
+        walls.append(time.perf_counter() - t0)
+    model.load_state_dict(global_state)
+    return {"round": statistics.median(walls), "acc": _accuracy(model, data)}
+
+
+def measure(variant: str, values: dict, tmp: Path, group) -> dict:
+    if variant == "bare":
+        proc = _sub([sys.executable, __file__, "--bare", "--values", json.dumps(values)])
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    values = json.loads(json.dumps(values))
+    values["system"] = {"client_group": group if variant.startswith("groups") else 1}
+    path = tmp / f"{variant}.toml"
+    path.write_text(cfgmod.to_toml(values))
+    ranks = 3 if variant.endswith("-n3") else None
+    out = tmp / f"{variant}.h5"
+    result = time_fedmpi(path, out, ranks)
+    with RunFile(out) as run:
+        walls = run.rounds()["time_wall"]
+    return {"round": float(np.median(walls[:-1] if len(walls) > 1 else walls)),
+            "acc": result["acc"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=("2nn", "cnn"), default="2nn")
+    ap.add_argument("--epochs", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    ap.add_argument("--group", type=lambda v: v if v == "auto" else int(v), default="auto",
+                    help='system.client_group of the groups variants (default "auto", which '
+                         'is 1 for the CNN on a CPU)')
+    ap.add_argument("--bare", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--values", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.bare:
+        print(json.dumps(run_bare(json.loads(args.values))))
+        return
+    values = workload(args.model, args.epochs, args.rounds)
+    walls: dict[str, list[float]] = {v: [] for v in args.variants}
+    accs: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="fedmpi-w2-") as tmp:
+        for rep in range(args.repeat):
+            for variant in args.variants:
+                result = measure(variant, values, Path(tmp), args.group)
+                walls[variant].append(result["round"])
+                accs[variant] = result["acc"]
+                print(f"rep {rep + 1} {variant:<10} {walls[variant][-1]:7.3f} s/round (median)  "
+                      f"acc {result['acc']:.4f}", flush=True)
+    med = {v: statistics.median(w) for v, w in walls.items()}
+    print(f"\nW2: Fashion-MNIST, 1000 clients Dir(0.3), 50/round, B=10, E={args.epochs}, "
+          f"{args.model}, FedAvg, {args.rounds} rounds, groups: client_group = {args.group}; "
+          f"medians of {args.repeat}")
+    for v in args.variants:
+        print(f"  {v:<10} {med[v]:7.3f} s/round   final acc {accs[v]:.4f}")
+    for a, b in (("seq", "groups"), ("seq-n3", "groups-n3"), ("bare", "groups")):
+        if a in med and b in med:
+            print(f"  {b} speed-up over {a}: {med[a] / med[b]:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

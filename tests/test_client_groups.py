@@ -1,0 +1,287 @@
+"""Client groups (system.client_group): G clients of a worker trained in lock-step as one
+computation (fedmpi.algorithms.group_sgd) give each client what the sequential path
+gives it, up to float rounding, for every algorithm with a group form; the groups are a
+function of the participants alone, so deterministic runs are bitwise the same for any
+number of ranks; everything else is refused at config time with one line."""
+
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from fedmpi import algorithms
+from fedmpi import config as cfg
+from fedmpi.algorithms import ClientTask, RoundContext
+from fedmpi.algorithms.base import ClientData
+from fedmpi.comm import LocalComm
+from fedmpi.errors import UsageError
+from fedmpi.flat import FlatModel
+from fedmpi.models import build_model, group_problem
+from fedmpi.results import RunFile
+from fedmpi.runtime import run_experiment
+from fedmpi.runtime.plan import group_size, groups, place
+
+from conftest import fedmpi, mpirun, needs_mpi
+from helpers import TINY, merged, write_config
+
+GROUPED = sorted(n for n, c in algorithms.REGISTRY.items() if c.trains_in_groups())
+# float rounding of batched kernels against one client's: a few ulps of the weights per step
+TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+class Samples(ClientData):
+    """A client's own samples in a keyed random order each epoch (as the runtime's data)."""
+
+    def __init__(self, x, y, key):
+        self.x, self.y, self.key, self.num_samples = x, y, key, len(y)
+
+    def batches(self, epochs, batch_size):
+        g = torch.Generator().manual_seed(self.key)
+        for _ in range(epochs):
+            order = torch.randperm(self.num_samples, generator=g)
+            for s in range(0, self.num_samples, batch_size):
+                idx = order[s:s + batch_size]
+                yield self.x[idx], self.y[idx]
+
+
+def clients(sizes, seed=0, side=16):
+    g = torch.Generator().manual_seed(seed)
+    return [Samples(torch.randn(n, 1, side, side, generator=g),
+                    torch.randint(0, 4, (n,), generator=g), 100 + i) for i, n in enumerate(sizes)]
+
+
+def context(**over):
+    base = dict(round=1, phase="train", lr=0.05, lr_prev=0.05, global_lr=1.0, weight_decay=0.0,
+                clip_norm=0.0, local_epochs=2, batch_size=4, num_clients=10,
+                participants=tuple(range(4)), seed=0)
+    return RoundContext(**{**base, **over})
+
+
+def flat_model(name="cnn", channels_last=False):
+    torch.manual_seed(0)
+    options = {"hidden": 16, "channels": [3, 4]} if name == "cnn" else {"hidden": [12]}
+    return FlatModel(build_model(name, 1, 4, 16, **options), channels_last=channels_last)
+
+
+def state_of(alg, d, i):
+    g = torch.Generator().manual_seed(7 + i)
+    return {k: 0.01 * torch.randn(n, generator=g) for k, n in alg.client_state_sizes(d).items()}
+
+
+def payload_of(alg, flat, ctx):
+    state = alg.init_server_state(flat.params.detach().clone())
+    for k, v in state.items():   # a server state with some history: momenta, c, h not zero
+        if k != "x" and v.is_floating_point() and v.numel() == flat.size:
+            v.copy_(0.01 * torch.randn(v.shape, generator=torch.Generator().manual_seed(3)))
+    return alg.payload(state, ctx)
+
+
+def both_paths(name, ctx, sizes=(9, 9, 6, 3), model="cnn", channels_last=False, params=None):
+    """Sequential uploads and group uploads of the same clients (sizes non-increasing)."""
+    alg = algorithms.build(name, params or {})
+    flat = flat_model(model, channels_last)
+    data = clients(sizes)
+    tasks = [ClientTask(client=i, data=dt, model=flat, device=torch.device("cpu"))
+             for i, dt in enumerate(data)]
+    payload = payload_of(alg, flat, ctx)
+    states = [state_of(alg, flat.size, i) or None for i in range(len(tasks))]
+    one = [alg.local_update(t, payload, s, ctx) for t, s in zip(tasks, states)]
+    group = alg.local_update_group(tasks, payload, states, ctx)
+    return alg, one, group
+
+
+def assert_same_uploads(alg, one, group):
+    assert len(one) == len(group)
+    for a, b in zip(one, group):
+        assert (a.steps, a.num_samples) == (b.steps, b.num_samples)
+        torch.testing.assert_close(b.delta, a.delta, **TOL)
+        assert b.loss == pytest.approx(a.loss, rel=1e-4)
+        ca, cb = alg.contribution(a), alg.contribution(b)
+        assert ca.keys() == cb.keys()
+        for k in ca:
+            torch.testing.assert_close(cb[k], ca[k], **TOL)
+        ga, gb = alg.gather(a), alg.gather(b)
+        for k in ga:
+            torch.testing.assert_close(gb[k], ga[k], **TOL)
+        assert (a.state is None) == (b.state is None)
+        for k in (a.state or {}):
+            torch.testing.assert_close(b.state[k], a.state[k], **TOL)
+
+
+def test_every_method_with_a_local_sgd_update_trains_in_groups():
+    """Every method whose client runs the shared local SGD step has a group form; the
+    ones that train something else (self-supervised heads, MOON's models, FedMIM's
+    inertia, FedMRUR's regulariser, FNR-FL's refinement) are refused, not served wrongly."""
+    assert GROUPED == ["fedacg", "fedadam", "fedavg", "fedavgm", "fedcm", "feddyn", "fedexp",
+                       "fednova", "fedprox", "fedsam", "mofedsam", "scaffold"]
+
+
+@pytest.mark.parametrize("name", GROUPED)
+def test_group_form_equals_the_sequential_local_update(name):
+    """Unequal clients (two full, one with a short last batch, one with fewer steps): each
+    client's delta, loss, steps, contribution, gathered values and new state."""
+    assert_same_uploads(*both_paths(name, context(clip_norm=1.0)))
+
+
+@pytest.mark.parametrize("over", [
+    dict(momentum=0.9), dict(momentum=0.9, nesterov=True), dict(weight_decay=1e-3),
+    dict(local_schedule="step", local_decay=0.5), dict(local_schedule="cosine", local_warmup=2),
+    dict(clip_norm=0.05)])
+def test_local_optimizer_in_groups(over):
+    """Momentum, Nesterov, weight decay, per-client clipping and local schedules (whose
+    per-step rates differ between clients of unequal epochs) follow sgd_step row by row."""
+    assert_same_uploads(*both_paths("fedavg", context(**over)))
+
+
+@pytest.mark.parametrize("name,params", [("fednova", {"rho": 0.5}), ("fednova", {"mu": 0.1}),
+                                         ("fedsam", {"rho": 0.0})])
+def test_group_corrections_with_their_own_state(name, params):
+    """FedNova's heavy ball keeps one velocity per client; SAM with rho 0 is one pass."""
+    assert_same_uploads(*both_paths(name, context(), params=params))
+
+
+@pytest.mark.parametrize("model,channels_last", [("cnn", True), ("2nn", False)])
+def test_group_form_for_the_models_and_layouts(model, channels_last):
+    assert_same_uploads(*both_paths("fedprox", context(), model=model,
+                                    channels_last=channels_last))
+
+
+def test_a_group_of_one_and_equal_clients():
+    assert_same_uploads(*both_paths("fedavg", context(), sizes=(5,)))
+    assert_same_uploads(*both_paths("fedavg", context(), sizes=(8, 8, 8)))
+
+
+def test_a_group_must_come_in_non_increasing_steps():
+    with pytest.raises(ValueError, match="non-increasing"):
+        both_paths("fedavg", context(), sizes=(3, 9))
+
+
+# ---- groups and their placement ---------------------------------------------------------
+
+def test_groups_are_runs_of_the_participants_by_steps_and_placed_whole():
+    steps = np.array([3, 5, 5, 1, 2, 5, 4, 2])
+    assert [g.tolist() for g in groups(np.array([0, 1, 2, 3, 4, 5, 6, 7]), steps, 3)] == \
+        [[1, 2, 5], [6, 0, 4], [7, 3]]
+    for workers in (1, 2, 3, 4):
+        placed = place(np.arange(8), steps, workers, group=3)
+        assert sorted(np.concatenate(placed).tolist()) == list(range(8))
+        for unit in groups(np.arange(8), steps, 3):   # every group on exactly one worker
+            assert sum(set(unit.tolist()) <= set(p.tolist()) for p in placed) == 1
+    # group 1 is the client-by-client placement it always was
+    assert [p.tolist() for p in place(np.arange(8), steps, 3)] == \
+        [p.tolist() for p in place(np.arange(8), steps, 3, group=1)]
+
+
+def test_auto_group_size_fits_memory_and_leaves_each_worker_a_group():
+    d = 200_000
+    assert group_size(7, d, 50, 2, 0) == 7
+    assert group_size("auto", d, 50, 1, 1 << 30) == 50
+    assert group_size("auto", d, 50, 2, 1 << 30) == 25
+    assert group_size("auto", d, 50, 1, 6 * 4 * d * 10) == 10
+    assert group_size("auto", d, 50, 1, 0) == 1
+    # convolutions on a CPU: the sequential path is the faster one (benchmarks/cross_device.py)
+    assert group_size("auto", d, 50, 1, 1 << 30, sequential_faster=True) == 1
+    assert group_size(8, d, 50, 1, 1 << 30, sequential_faster=True) == 8
+
+
+# ---- through the runtime ------------------------------------------------------------------
+
+def run_tiny(tmp_path, name, **over):
+    values = merged(TINY, **over)
+    if "name" in over.get("model", {}):   # another model: none of TINY's cnn options
+        values["model"] = dict(over["model"])
+    values["output"] = str(tmp_path / f"{name}.h5")
+    c = cfg.from_dict(values)
+    run_experiment(c, LocalComm(), quiet=True)
+    return RunFile(c.output_path())
+
+
+@pytest.mark.parametrize("model,threads,expected", [("2nn", 2, 5), ("2nn", 1, 1), ("cnn", 2, 1)])
+def test_auto_groups_only_where_they_are_faster(tmp_path, model, threads, expected):
+    """On CPU workers "auto" trains in groups only for models without convolutions and
+    with more than one thread (benchmarks/cross_device.py); the file says what it chose."""
+    with run_tiny(tmp_path, "auto", rounds=1, model={"name": model, "hidden": [16]} if
+                  model == "2nn" else {}, system={"threads": threads, "client_group": "auto"}) as run:
+        assert run.attrs["client_group"] == expected
+
+
+def test_a_grouped_run_follows_the_sequential_run(tmp_path):
+    """SCAFFOLD (client state through the store) in groups of 3 on the tiny run: the same
+    model up to rounding, the same rows, the same traffic."""
+    one = run_tiny(tmp_path, "one", algorithm={"name": "scaffold"}, system={"threads": 1})
+    grouped = run_tiny(tmp_path, "grouped", algorithm={"name": "scaffold"},
+                       system={"threads": 1, "client_group": 3})
+    with one, grouped:
+        np.testing.assert_allclose(grouped.model(), one.model(), rtol=1e-4, atol=1e-5)
+        a, b = one.clients(), grouped.clients()
+        for column in ("client", "steps", "n_samples", "bytes_up", "bytes_down"):
+            assert np.array_equal(a[column], b[column])
+        np.testing.assert_allclose(b["train_loss"], a["train_loss"], rtol=1e-4)
+        assert grouped.config["system"]["client_group"] == 3
+
+
+@pytest.mark.slow
+@needs_mpi
+def test_deterministic_groups_are_bitwise_the_same_for_1_2_and_3_ranks(tmp_path):
+    """Groups are cut from the participants and placed whole, so the same groups train
+    on any layout: 1, 2 and 3 ranks write the same bits (group "auto" would not: it
+    depends on the number of workers)."""
+    config = write_config(tmp_path / "g.toml", algorithm={"name": "feddyn"},
+                          system={"deterministic": True, "client_group": 2}, rounds=2)
+    models = []
+    for n in (1, 2, 3):
+        out = tmp_path / f"n{n}.h5"
+        args = ["run", "-q", str(config), "-o", str(out)]
+        if n == 1:
+            fedmpi(args, check=True)
+        else:
+            mpirun(n, [sys.executable, "-m", "fedmpi"] + args)
+        with RunFile(out) as run:
+            models.append(run.model())
+    assert np.array_equal(models[0], models[1]) and np.array_equal(models[0], models[2])
+
+
+# ---- refused at config time ---------------------------------------------------------------
+
+@pytest.mark.parametrize("value,message", [
+    (0, "system.client_group: must be an integer in [1, 4096]"),
+    (-3, "must be an integer in [1, 4096]"), (5000, "must be an integer in [1, 4096]"),
+    ("big", "or \"auto\", got 'big'"), (2.5, "expected an integer or a string"),
+    (True, "expected an integer or a string")])
+def test_bad_group_values_are_one_line_errors(value, message):
+    with pytest.raises(UsageError) as err:
+        cfg.from_dict(merged(TINY, system={"client_group": value}))
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("over,message", [
+    (dict(algorithm={"name": "moon", "mu": 1.0}, model={"proj_dim": 8}),
+     "algorithm 'moon' has no group form"),
+    (dict(algorithm={"name": "fedmim"}), "algorithm 'fedmim' has no group form"),
+    (dict(model={"name": "vgg11"}), "model 'vgg11' has dropout (model.dropout = 0.5)"),
+])
+def test_what_cannot_train_in_groups_is_refused(over, message):
+    def config(group):
+        values = merged(TINY, system={"client_group": group}, **over)
+        values["model"] = over.get("model", values["model"])
+        return values
+    with pytest.raises(UsageError) as err:
+        cfg.from_dict(config(4))
+    assert message in str(err.value) and "\n" not in str(err.value)
+    cfg.from_dict(config(1))   # fine one by one
+
+
+def test_models_a_group_cannot_share():
+    assert "model 'lstm' is recurrent" in group_problem("lstm", {})
+    assert group_problem("vgg11", {"dropout": 0.0}) is None
+    assert group_problem("cnn", {}) is None and group_problem("2nn", {}) is None
+
+
+def test_refusal_through_the_cli_exits_2_and_writes_nothing(tmp_path):
+    config = write_config(tmp_path / "bad.toml", algorithm={"name": "fedbyol"},
+                          system={"client_group": "auto"})
+    out = tmp_path / "never.h5"
+    proc = fedmpi(["run", "-q", str(config), "-o", str(out)])
+    assert proc.returncode == 2 and not out.exists()
+    assert "system.client_group" in proc.stderr and "fedbyol" in proc.stderr
