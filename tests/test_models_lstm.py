@@ -72,7 +72,7 @@ def test_modality_checks_are_one_line_usage_errors():
         check_model_for_data("cnn", "text")
     assert "\n" not in str(err.value)
     with pytest.raises(UsageError, match=r"model.name 'lstm' is a text model but the dataset is image; "
-                                         r"allowed: 'cnn', 'resnet18', 'vgg11'"):
+                                         r"allowed: '2nn', 'cnn', 'resnet18', 'vgg11'"):
         check_model_for_data("lstm", "image")
     with pytest.raises(UsageError, match="model.name must be one of"):
         check_model_for_data("gru", "text")
