@@ -197,12 +197,16 @@ def run_tiny(tmp_path, name, **over):
     return RunFile(c.output_path())
 
 
-@pytest.mark.parametrize("model,threads,expected", [("2nn", 2, 5), ("2nn", 1, 1), ("cnn", 2, 1)])
-def test_auto_groups_only_where_they_are_faster(tmp_path, model, threads, expected):
+@pytest.mark.parametrize("model,threads,algorithm,expected", [
+    ("2nn", 2, "fedavg", 5), ("2nn", 1, "fedavg", 1), ("cnn", 2, "fedavg", 1),
+    ("2nn", 2, "fedmim", 1)])
+def test_auto_groups_only_where_they_are_faster(tmp_path, model, threads, algorithm, expected):
     """On CPU workers "auto" trains in groups only for models without convolutions and
-    with more than one thread (benchmarks/cross_device.py); the file says what it chose."""
+    with more than one thread (benchmarks/cross_device.py), and only methods with a group
+    form; the file says what it chose."""
     with run_tiny(tmp_path, "auto", rounds=1, model={"name": model, "hidden": [16]} if
-                  model == "2nn" else {}, system={"threads": threads, "client_group": "auto"}) as run:
+                  model == "2nn" else {}, algorithm={"name": algorithm},
+                  system={"threads": threads, "client_group": "auto"}) as run:
         assert run.attrs["client_group"] == expected
 
 
@@ -270,6 +274,7 @@ def test_what_cannot_train_in_groups_is_refused(over, message):
         cfg.from_dict(config(4))
     assert message in str(err.value) and "\n" not in str(err.value)
     cfg.from_dict(config(1))   # fine one by one
+    cfg.from_dict(config("auto"))   # and "auto" means one by one here
 
 
 def test_models_a_group_cannot_share():
@@ -280,7 +285,7 @@ def test_models_a_group_cannot_share():
 
 def test_refusal_through_the_cli_exits_2_and_writes_nothing(tmp_path):
     config = write_config(tmp_path / "bad.toml", algorithm={"name": "fedbyol"},
-                          system={"client_group": "auto"})
+                          system={"client_group": 4})
     out = tmp_path / "never.h5"
     proc = fedmpi(["run", "-q", str(config), "-o", str(out)])
     assert proc.returncode == 2 and not out.exists()

@@ -129,10 +129,10 @@ GROUP_MAX = 4096   # clients in one lock-step group; each holds a model copy in 
 
 
 def _validate_client_group(c: ExperimentConfig) -> None:
-    """``system.client_group``: 1, an integer G up to GROUP_MAX or "auto"; anything but 1
-    needs an algorithm with a group form of its local update and a model that a group
-    can share (no dropout, whose draws would be the group's rather than each client's;
-    no recurrent layers)."""
+    """``system.client_group``: 1, an integer G up to GROUP_MAX or "auto"; G > 1 needs an
+    algorithm with a group form of its local update and a model that a group can share
+    (no dropout, whose draws would be the group's rather than each client's; no
+    recurrent layers). "auto" is 1 wherever G > 1 would be refused."""
     from .. import algorithms, models
 
     group = c.system.client_group
@@ -141,7 +141,7 @@ def _validate_client_group(c: ExperimentConfig) -> None:
     else:
         raise field_error("system.client_group", f"must be an integer in [1, {GROUP_MAX}] or "
                                                  f"\"auto\", got {group!r}")
-    if group == 1:
+    if group in (1, "auto"):
         return
     if not algorithms.REGISTRY[c.algorithm.name].trains_in_groups():
         able = sorted(n for n, cls in algorithms.REGISTRY.items() if cls.trains_in_groups())

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import algorithms, signals
+from .. import algorithms, models, signals
 from ..algorithms import group_sgd
 from ..errors import UsageError
 from ..results.writer import FileReplacedError
@@ -112,11 +112,15 @@ class Experiment:
                              update_stats=cfg.eval.update_stats, group=self.group)
 
     def _client_group(self) -> int:
-        """``system.client_group`` resolved, the same on every rank ("auto": by the
-        smallest memory budget of the workers' devices)."""
+        """``system.client_group`` resolved, the same on every rank ("auto": 1 where groups
+        are refused or slower, else by the smallest memory budget of the workers' devices)."""
         cfg, comm, flat = self.config, self.comm, self.flat
         setting = cfg.system.client_group
-        if setting != 1 and flat.size != flat.num_params:
+        buffers = flat.size != flat.num_params
+        if setting == "auto" and (buffers or not self.alg.trains_in_groups()
+                                  or models.group_problem(cfg.model.name, cfg.model.options)):
+            return 1
+        if setting != 1 and buffers:
             raise UsageError("config field system.client_group: the model has float buffers "
                              "(BatchNorm statistics), which a client group cannot carry per "
                              "client; set 1 (one client after another)")

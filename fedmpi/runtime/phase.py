@@ -160,6 +160,8 @@ class Phases:
             rows.append(self.client_row(c, upload, seconds, ctx.phase))
 
         if self.group > 1:
+            if after_client is not None:   # FedU^2's local spectra: refused at config time
+                raise ValueError("a client group has no per-client local model to show after_client")
             self.train_groups(mine, payload, states, ctx, p, fold)
         else:
             for c, state in self.device_states(mine.tolist(), states):
