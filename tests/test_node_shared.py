@@ -5,15 +5,12 @@ MPI cannot share memory every rank loads its own copy without an error."""
 import json
 import sys
 
-import numpy as np
 import pytest
 
 from fedmpi.comm import LocalComm
 from fedmpi.data import load_dataset
-from fedmpi.results import RunFile
 
-from conftest import fedmpi, mpirun, needs_mpi
-from helpers import write_config
+from conftest import mpirun, needs_mpi
 
 SIZES = {"num_train": 300, "num_test": 100, "size": 8}
 
@@ -147,16 +144,6 @@ def test_mpi_without_shared_memory_falls_back_without_error(tmp_path):
         [{"dataset": False, "data": False}] * 2
 
 
-@pytest.mark.slow
-@needs_mpi
-def test_shared_dataset_run_is_bitwise_the_single_process_run(tmp_path):
-    config = write_config(tmp_path / "det.toml", system={"deterministic": True},
-                          data={"augment": True, "crop_padding": 2})
-    fedmpi(["run", "-q", str(config), "-o", str(tmp_path / "single.h5")], check=True)
-    mpirun(3, [sys.executable, "-m", "fedmpi", "run", "-q", str(config),
-               "-o", str(tmp_path / "n3.h5")])
-    with RunFile(tmp_path / "single.h5") as a, RunFile(tmp_path / "n3.h5") as b:
-        assert b.status == "completed" and b.attrs["world_size"] == 3
-        assert np.array_equal(a.model(), b.model())
-        for column in ("test_acc", "test_loss", "train_loss"):
-            assert np.array_equal(a.rounds()[column], b.rounds()[column], equal_nan=True)
+# A whole run under mpirun reads the shared window by default: tests/test_mpi_runtime.py's
+# deterministic runs at 2, 3 and 4 ranks (with augmentation) equal the single-process run
+# bit for bit.
