@@ -227,14 +227,14 @@ def test_a_grouped_run_follows_the_sequential_run(tmp_path):
 
 @pytest.mark.slow
 @needs_mpi
-def test_deterministic_groups_are_bitwise_the_same_for_1_2_and_3_ranks(tmp_path):
+def test_deterministic_groups_are_bitwise_the_same_for_1_and_3_ranks(tmp_path):
     """Groups are cut from the participants and placed whole, so the same groups train
-    on any layout: 1, 2 and 3 ranks write the same bits (group "auto" would not: it
-    depends on the number of workers)."""
+    on any layout: 1 process and 3 ranks (2 workers, each with whole groups) write the
+    same bits (group "auto" would not: it depends on the number of workers)."""
     config = write_config(tmp_path / "g.toml", algorithm={"name": "feddyn"},
                           system={"deterministic": True, "client_group": 2}, rounds=2)
     models = []
-    for n in (1, 2, 3):
+    for n in (1, 3):
         out = tmp_path / f"n{n}.h5"
         args = ["run", "-q", str(config), "-o", str(out)]
         if n == 1:
@@ -243,7 +243,7 @@ def test_deterministic_groups_are_bitwise_the_same_for_1_2_and_3_ranks(tmp_path)
             mpirun(n, [sys.executable, "-m", "fedmpi"] + args)
         with RunFile(out) as run:
             models.append(run.model())
-    assert np.array_equal(models[0], models[1]) and np.array_equal(models[0], models[2])
+    assert np.array_equal(models[0], models[1])
 
 
 # ---- refused at config time ---------------------------------------------------------------
