@@ -163,3 +163,23 @@ def test_one_core_affinity_gives_one_thread():
                           capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "1"
+
+
+def test_a_run_on_an_overloaded_node_warns_once_on_stderr(monkeypatch, tmp_path, capsys):
+    """Through the runtime: after the rank table, one warning line; a quiet run prints
+    nothing (its errors stay one line)."""
+    from fedmpi import config as cfg
+    from fedmpi.comm import LocalComm
+    from fedmpi.runtime import run_experiment
+    from helpers import TINY, merged
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (99.0, 99.0, 99.0))
+    for quiet in (False, True):
+        values = merged(TINY, rounds=1, system={"threads": 1})
+        values["output"] = str(tmp_path / f"q{quiet}.h5")
+        run_experiment(cfg.from_dict(values), LocalComm(), quiet=quiet)
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if "load average" in line]
+        assert len(lines) == (0 if quiet else 1)
+        if not quiet:
+            assert "99.0" in lines[0] and "1 torch thread" in lines[0]
