@@ -144,6 +144,23 @@ class SystemConfig:
 
 
 @dataclass
+class SystemModelConfig:
+    """The simulated deployment's devices and networks (fedmpi.runtime.vclock): off by
+    default, and then nothing about a run changes."""
+    profiles: str = "off"              # off | lognormal: per-client speed and bandwidths
+    step_time: float = 0.05            # seconds one local step takes at speed 1
+    speed_sigma: float = 1.0           # lognormal sigma of the per-client speed (median 1)
+    down_mbps: float = 20.0            # median downlink, Mbit/s
+    up_mbps: float = 5.0               # median uplink, Mbit/s
+    bandwidth_sigma: float = 1.0       # lognormal sigma of each client's bandwidths
+    latency: float = 0.05              # seconds added to every message, each way
+    policy: str = "wait_all"           # wait_all | deadline | overselect
+    deadline: float = 0.0              # policy deadline: seconds a round waits (> 0)
+    overselect: float = 0.3            # policy overselect: select ceil(S (1 + e)), keep the
+                                       # first S to finish (Bonawitz et al. 2019)
+
+
+@dataclass
 class ExperimentConfig:
     name: str = "experiment"
     seed: int = 0
@@ -158,6 +175,7 @@ class ExperimentConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     system: SystemConfig = field(default_factory=SystemConfig)
+    system_model: SystemModelConfig = field(default_factory=SystemModelConfig)
 
     def output_path(self) -> Path:
         return Path(self.output.format(**self.placeholders()))

@@ -101,6 +101,7 @@ def resolve_and_validate(c: ExperimentConfig) -> None:
         raise field_error("data.public_size", f"algorithm {c.algorithm.name!r} needs a server-"
                           f"side public set; set it > 0 (fnrfl_fmnist uses 320)")
     _validate_client_group(c)
+    _validate_system_model(c)
     _validate_paths(c)
 
 
@@ -151,6 +152,42 @@ def _validate_client_group(c: ExperimentConfig) -> None:
     problem = models.group_problem(c.model.name, c.model.options)
     if problem:
         raise field_error("system.client_group", f"{problem}; set 1 (one client after another)")
+
+
+def _validate_system_model(c: ExperimentConfig) -> None:
+    """``[system_model]``: names from the lists, numbers in range, and a policy other than
+    waiting for all only with profiles to time the clients by."""
+    from .. import algorithms
+    from ..runtime.vclock import POLICIES, PROFILES
+
+    m = c.system_model
+    _one_of("system_model.profiles", m.profiles, PROFILES)
+    _one_of("system_model.policy", m.policy, POLICIES)
+    for name in ("step_time", "down_mbps", "up_mbps"):
+        _positive(f"system_model.{name}", getattr(m, name))
+    for name in ("speed_sigma", "bandwidth_sigma", "latency", "deadline", "overselect"):
+        _positive(f"system_model.{name}", getattr(m, name), allow_zero=True)
+    if m.profiles == "off":
+        if m.policy != "wait_all":
+            raise field_error("system_model.policy", f"{m.policy!r} times the clients: set "
+                                                     f"system_model.profiles = \"lognormal\"")
+        return
+    if m.policy == "deadline" and not m.deadline:
+        raise field_error("system_model.deadline", "policy \"deadline\" needs a deadline > 0 "
+                                                   "(seconds a round waits)")
+    if m.policy == "overselect":
+        if not m.overselect:
+            raise field_error("system_model.overselect", "policy \"overselect\" needs a fraction "
+                                                         "> 0 (0.3 selects 30% more clients)")
+        if c.clients.sampling == "bernoulli":
+            raise field_error("system_model.policy", "\"overselect\" selects a fixed number of "
+                                                     "clients; clients.sampling \"bernoulli\" "
+                                                     "draws a random one (use uniform or size)")
+    phases = algorithms.REGISTRY[c.algorithm.name].phases
+    if len(phases) > 1:
+        raise field_error("system_model.profiles", f"algorithm {c.algorithm.name!r} has "
+                          f"{len(phases)} phases a round, which the virtual clock does not "
+                          f"time yet; set \"off\"")
 
 
 def _check_fixed(obj, prefix: str) -> None:

@@ -35,6 +35,7 @@ import torch
 
 from .. import algorithms, models, signals
 from ..algorithms import group_sgd
+from ..flat import WIRE_BYTES
 from ..errors import UsageError
 from ..results.writer import FileReplacedError
 from .observers import RoundRecord, default_observers
@@ -45,6 +46,7 @@ from .plan import GROUP_MEMORY_CPU, group_size, sample_clients
 from .records import (CLIENT_FIELDS, RANK_FIELDS, ROUND_FIELDS, Timers, Traffic, client_columns,
                       gather_ranks, rank_columns, round_row, start_row)
 from .rng import key_seed, seed_global
+from .vclock import VirtualClock, selection_size, virtual_columns
 from .runfile import create_file, resume_file
 from .scoring import evaluate
 from .state import ClientStateStore
@@ -93,6 +95,9 @@ class Experiment:
         if self.group > 1 and comm.is_worker:
             group_sgd.warm_up()
         self.ranks = comm.gather_obj(rank_info(comm, world), count=False)
+        self.clock = VirtualClock(cfg, self.alg, self.d, WIRE_BYTES, self.steps) \
+            if comm.is_server and cfg.system_model.profiles != "off" else None
+        self.vplan = None   # the server's virtual-clock plan of the current round
         if comm.is_server:
             self.eval_batch = eval_batch_size(cfg.eval.batch_size, [r["device"] for r in self.ranks])
             self.state = self.alg.init_server_state(self.flat.params.detach().cpu().clone())
@@ -196,6 +201,8 @@ class Experiment:
         ranks = gather_ranks(comm, timers)                                            # 4
         if comm.is_server:
             rows = [result.rows for result in phases]
+            if self.clock is not None:
+                self.diagnostics.update(virtual_columns(self.vplan, rows[0]))
             row = round_row(cfg, t, wall, timers, ranks, rows, traffic, acc, test_loss,
                             self.state["x"], x_before, self.diagnostics, comm.size > 1)
             self._record(t + 1, row, ranks, rows)
@@ -207,9 +214,15 @@ class Experiment:
         if not self.comm.is_server:
             return None
         sizes = self.sizes[self.split.active(t)] if c.sampling == "size" else None
-        slots = sample_clients(cfg.seed, t, c.num, c.per_round, c.sampling, sizes=sizes,
+        per_round = c.per_round if self.clock is None else selection_size(
+            cfg.system_model.policy, c.per_round, cfg.system_model.overselect, c.num)
+        slots = sample_clients(cfg.seed, t, c.num, per_round, c.sampling, sizes=sizes,
                                empty=c.empty_rounds)
-        return self.split.sample(slots, t)
+        sampled = self.split.sample(slots, t)
+        if self.clock is None:
+            return sampled
+        self.vplan = self.clock.round(sampled)   # who finishes in time: only they train
+        return sampled[self.vplan["keep"]]
 
     def _phase(self, t, p, phase, sampled, timers, traffic):
         """One phase over the comm (fedmpi.runtime.phase); the server keeps its diagnostics."""
@@ -235,7 +248,10 @@ class Experiment:
         acc, test_loss = evaluate(self, timers)
         ranks = gather_ranks(comm, timers)
         if comm.is_server:
-            self._record(0, start_row(wall, timers, ranks, acc, test_loss), ranks, [])
+            row = start_row(wall, timers, ranks, acc, test_loss)
+            if self.clock is not None:   # the clock starts with the run
+                row.update(virtual_time=0.0, n_dropped=0, dropped_bytes_down=0.0)
+            self._record(0, row, ranks, [])
 
     def _record(self, round_: int, row: dict, ranks: np.ndarray, rows: list[dict]) -> None:
         """Server: the round into the file, flushed (every completed round is on disk),

@@ -14,6 +14,7 @@ from ..errors import UsageError
 from ..results import ResultsWriter, RunFile, liveness
 from ..results.lock import RunLock
 from ..results.writer import recover_crashed
+from . import vclock
 from .records import RANK_FIELDS, ROUND_FIELDS, client_fields
 
 
@@ -34,11 +35,16 @@ def create_file(exp, dataset, ranks) -> bool:
     if sources is not None:
         provenance["algorithm_param_sources"] = dict(sources)
     partition = exp.split.file_datasets(dataset.train_y.numpy(), dataset.num_classes)
+    round_fields = ROUND_FIELDS + list(exp.alg.diagnostic_fields)
+    clients = client_fields(exp.alg, exp.d)
+    if exp.clock is not None:   # the devices under /partition, the clock's columns
+        partition.update({f"device_{k}": v for k, v in exp.clock.profiles.items()})
+        round_fields += vclock.ROUND_FIELDS
+        clients += vclock.CLIENT_FIELDS
     exp.lock = RunLock.acquire(cfg.output_path())
     exp.writer = ResultsWriter.create(
         cfg.output_path(), config=cfg.to_dict(), provenance=provenance,
-        round_fields=ROUND_FIELDS + list(exp.alg.diagnostic_fields),
-        client_fields=client_fields(exp.alg, exp.d), rank_fields=RANK_FIELDS,
+        round_fields=round_fields, client_fields=clients, rank_fields=RANK_FIELDS,
         layout=exp.flat.layout_rows(), partition=partition, force=exp.force)
     return False
 
@@ -57,7 +63,10 @@ def resume_file(exp, ranks) -> bool:
         if ckpt is not None:
             load_checkpoint(exp, ckpt)
         history = list(run.attrs.get("resumes", []))
-        evaluated = bool(np.any(run.rounds()["round"] == 0))
+        rounds = run.rounds()
+        evaluated = bool(np.any(rounds["round"] == 0))
+    if exp.clock is not None and exp.start:   # the virtual time the checkpoint's round ended at
+        exp.clock.now = float(rounds["virtual_time"][rounds["round"] == exp.start][-1])
     if not np.array_equal(stored["client_offsets"], exp.split.offsets) or \
             not np.array_equal(stored["client_indices"], exp.split.indices):
         raise UsageError(f"--resume {path}: this fedmpi computes a different client partition "
