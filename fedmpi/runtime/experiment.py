@@ -8,7 +8,9 @@ A round, numbered as in ``_round``:
 
 1. sample: the server draws S_t (keyed by seed and round; the same for any layout) by
    ``clients.sampling``; a Bernoulli draw may be empty (``clients.empty_rounds = "skip"``):
-   then every phase is empty, nobody trains and the server state stays as it is;
+   then every phase is empty, nobody trains and the server state stays as it is. With
+   ``[system_model]`` on, the virtual clock (fedmpi.runtime.vclock) keeps only the
+   clients its round policy lets finish;
 2. per phase (fedmpi.runtime.phase): place and announce, broadcast the payload, train,
    reduce the sums and gather the client rows and states, apply the server update;
 3. evaluate, on evaluation rounds: workers score test chunks;
@@ -35,8 +37,8 @@ import torch
 
 from .. import algorithms, models, signals
 from ..algorithms import group_sgd
-from ..flat import WIRE_BYTES
 from ..errors import UsageError
+from ..flat import WIRE_BYTES
 from ..results.writer import FileReplacedError
 from .observers import RoundRecord, default_observers
 from .observers.divergence import DIVERGED
@@ -46,12 +48,12 @@ from .plan import GROUP_MEMORY_CPU, group_size, sample_clients
 from .records import (CLIENT_FIELDS, RANK_FIELDS, ROUND_FIELDS, Timers, Traffic, client_columns,
                       gather_ranks, rank_columns, round_row, start_row)
 from .rng import key_seed, seed_global
-from .vclock import VirtualClock, selection_size, virtual_columns
 from .runfile import create_file, resume_file
 from .scoring import evaluate
 from .state import ClientStateStore
 from .stats import update_statistics
 from .system import numerics
+from .vclock import VirtualClock, selection_size, virtual_columns
 from .world import build_world, eval_batch_size, rank_info, rank_table
 
 __all__ = ["CLIENT_FIELDS", "EXIT_PREEMPTED", "RANK_FIELDS", "ROUND_FIELDS", "Contributions",
