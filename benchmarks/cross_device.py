@@ -31,24 +31,15 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import _accuracy, _sub, batches, time_fedmpi  # noqa: E402
-
-import numpy as np  # noqa: E402
+from overhead import _sub, time_fedmpi  # noqa: E402
 
 from fedmpi import config as cfgmod  # noqa: E402
-from fedmpi.data import load_dataset, make_partition, to_float  # noqa: E402
-from fedmpi.models import build_model  # noqa: E402
 from fedmpi.results import RunFile  # noqa: E402
-from fedmpi.runtime.plan import sample_clients  # noqa: E402
-from fedmpi.runtime.rng import key_seed  # noqa: E402
-from fedmpi.runtime.system import tune_malloc  # noqa: E402
 
 VARIANTS = ("bare", "seq", "groups", "seq-n3", "groups-n3")
 
@@ -66,45 +57,12 @@ def workload(model: str, epochs: int, rounds: int) -> dict:
     }
 
 
-def run_bare(values: dict) -> dict:
-    """Sequential FedAvg with torch.optim.SGD on fedmpi's partition, sampling and batches."""
-    torch.set_num_threads(2)
-    tune_malloc()
-    c = cfgmod.from_dict(values)
-    data = load_dataset(c.data.dataset, seed=c.seed)
-    part = make_partition(c.partition.kind, data.train_y.numpy(), c.clients.num, c.seed,
-                          **c.partition.params)
-    torch.manual_seed(key_seed(c.seed, "init"))
-    model = build_model(c.model.name, data.in_channels, data.num_classes, data.image_size,
-                        **c.model.options)
-    x_all, y_all = to_float(data.train_x, data.mean, data.std), data.train_y
-    global_state = {k: v.clone() for k, v in model.state_dict().items()}
-    walls = []
-    for t in range(c.rounds):
-        t0 = time.perf_counter()
-        total = {k: torch.zeros_like(v) for k, v in global_state.items()}
-        clients = sample_clients(c.seed, t, c.clients.num, c.clients.per_round)
-        weight = float(part.sizes[clients].sum())
-        for client in clients.tolist():
-            model.load_state_dict(global_state)
-            opt = torch.optim.SGD(model.parameters(), lr=c.train.lr * c.train.lr_decay ** t)
-            model.train()
-            for b in batches(c, part, t, client, c.train.local_epochs):
-                opt.zero_grad()
-                F.cross_entropy(model(x_all[b]), y_all[b]).backward()
-                opt.step()
-            for k, v in model.state_dict().items():
-                total[k] += v * (part.sizes[client] / weight)
-        global_state = total
-        walls.append(time.perf_counter() - t0)
-    model.load_state_dict(global_state)
-    return {"round": statistics.median(walls), "acc": _accuracy(model, data)}
-
-
 def measure(variant: str, values: dict, tmp: Path, group) -> dict:
-    if variant == "bare":
-        proc = _sub([sys.executable, __file__, "--bare", "--values", json.dumps(values)])
-        return json.loads(proc.stdout.strip().splitlines()[-1])
+    if variant == "bare":   # overhead.py's bare loop, in its own process
+        proc = _sub([sys.executable, str(Path(__file__).parent / "overhead.py"), "--bare",
+                     "--values", json.dumps(values)])
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        return {"round": statistics.median(result["rounds"]), "acc": result["acc"]}
     values = json.loads(json.dumps(values))
     values["system"] = {"client_group": group if variant.startswith("groups") else 1}
     path = tmp / f"{variant}.toml"
@@ -128,12 +86,7 @@ def main() -> None:
     ap.add_argument("--group", type=lambda v: v if v == "auto" else int(v), default="auto",
                     help='system.client_group of the groups variants (default "auto", which '
                          'is 1 for the CNN on a CPU)')
-    ap.add_argument("--bare", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--values", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.bare:
-        print(json.dumps(run_bare(json.loads(args.values))))
-        return
     values = workload(args.model, args.epochs, args.rounds)
     walls: dict[str, list[float]] = {v: [] for v in args.variants}
     accs: dict[str, float] = {}

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from fedmpi import config as cfgmod
 from fedmpi.data import load_dataset, make_partition, to_float
 from fedmpi.evaluation import chunks_of, evaluate_chunks
+from fedmpi.algorithms.schedule import round_lr
 from fedmpi.models import build_model
 from fedmpi.runtime.experiment import eval_batch_size
 from fedmpi.runtime.plan import place, sample_clients
@@ -73,7 +74,8 @@ def setup(values):
     part = make_partition(c.partition.kind, data.train_y.numpy(), c.clients.num, c.seed,
                           **c.partition.params)
     torch.manual_seed(key_seed(c.seed, "init"))
-    model = build_model("cnn", data.in_channels, data.num_classes, data.image_size, **c.model.options)
+    model = build_model(c.model.name, data.in_channels, data.num_classes, data.image_size,
+                        **c.model.options)
     return c, data, part, model
 
 
@@ -90,6 +92,9 @@ def batches(c, part, t, client, n_epochs=1):
 # ---- bare loop --------------------------------------------------------------------------
 
 def run_bare(values) -> dict:
+    """The bare loop over the config's rounds: its model, E epochs, its round lr, clipping
+    when clip_norm > 0. Returns the wall time (training and the final scoring), each
+    round's seconds, the accuracy and the final parameters."""
     torch.set_num_threads(2)
     tune_malloc()
     c, data, part, model = setup(values)
@@ -97,28 +102,31 @@ def run_bare(values) -> dict:
     y_all = data.train_y
     global_state = {k: v.clone() for k, v in model.state_dict().items()}
     sizes = part.sizes
-    t0 = time.perf_counter()
+    t0, rounds = time.perf_counter(), []
     for t in range(c.rounds):
+        start = time.perf_counter()
         total = {k: torch.zeros_like(v) for k, v in global_state.items()}
         clients = sample_clients(c.seed, t, c.clients.num, c.clients.per_round)
         weight = float(sizes[clients].sum())
         for client in clients.tolist():
             model.load_state_dict(global_state)
-            opt = torch.optim.SGD(model.parameters(), lr=c.train.lr)
+            opt = torch.optim.SGD(model.parameters(), lr=round_lr(c.train, t, c.rounds))
             model.train()
-            for b in batches(c, part, t, client):
+            for b in batches(c, part, t, client, c.train.local_epochs):
                 opt.zero_grad()
                 F.cross_entropy(model(x_all[b]), y_all[b]).backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), c.train.clip_norm)
+                if c.train.clip_norm > 0:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), c.train.clip_norm)
                 opt.step()
             for k, v in model.state_dict().items():
                 total[k] += v * (sizes[client] / weight)
         global_state = total
+        rounds.append(time.perf_counter() - start)
     model.load_state_dict(global_state)
     acc = _accuracy(model, data)
     wall = time.perf_counter() - t0
     params = torch.cat([v.reshape(-1) for v in global_state.values()])
-    return {"wall": wall, "acc": acc, "params": params.tolist()}
+    return {"wall": wall, "rounds": rounds, "acc": acc, "params": params.tolist()}
 
 
 @torch.no_grad()

@@ -196,8 +196,8 @@ def _descend(params: torch.Tensor, direction: torch.Tensor, lr) -> None:
         params.add_(direction, alpha=-lr)
 
 
-def _learning_rates(tasks: list[ClientTask], ctx: RoundContext, active: int, k: int,
-                    schedules: list | None, device):
+def _learning_rates(ctx: RoundContext, active: int, k: int, schedules: list | None, device):
+    """Step k's rate: ctx.lr, one number when the active clients share it, else a column."""
     if schedules is None:
         return ctx.lr
     rates = [s[min(k, len(s) - 1)] for s in schedules[:active]]
@@ -234,7 +234,7 @@ def train(tasks: list[ClientTask], start: torch.Tensor, ctx: RoundContext,
     for k in range(steps[0] if g else 0):
         active = sum(1 for s in steps if s > k)
         x, y, weights = stack_batches([next(s) for s in streams[:active]], ctx.batch_size)
-        lr = _learning_rates(tasks, ctx, active, k, schedules, rows.device)
+        lr = _learning_rates(ctx, active, k, schedules, rows.device)
         if plain:
             losses, pieces = model.gradient_pieces(active, x, y, weights, autocast)
             model.descend_pieces(active, pieces, lr, ctx.clip_norm)

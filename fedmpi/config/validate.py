@@ -134,24 +134,28 @@ def _validate_client_group(c: ExperimentConfig) -> None:
     algorithm with a group form of its local update and a model that a group can share
     (no dropout, whose draws would be the group's rather than each client's; no
     recurrent layers). "auto" is 1 wherever G > 1 would be refused."""
-    from .. import algorithms, models
-
     group = c.system.client_group
     if group == "auto" or (isinstance(group, int) and 1 <= group <= GROUP_MAX):
         pass
     else:
         raise field_error("system.client_group", f"must be an integer in [1, {GROUP_MAX}] or "
                                                  f"\"auto\", got {group!r}")
-    if group in (1, "auto"):
-        return
+    problem = None if group in (1, "auto") else group_refusal(c)
+    if problem:
+        raise field_error("system.client_group", problem)
+
+
+def group_refusal(c: ExperimentConfig) -> str | None:
+    """Why this config's method or model cannot train in client groups, or None: refused
+    for an explicit G > 1, and "auto" trains one client after another then."""
+    from .. import algorithms, models
+
     if not algorithms.REGISTRY[c.algorithm.name].trains_in_groups():
         able = sorted(n for n, cls in algorithms.REGISTRY.items() if cls.trains_in_groups())
-        raise field_error("system.client_group", f"algorithm {c.algorithm.name!r} has no group "
-                          f"form of its local update yet; set 1 (one client after another) or "
-                          f"use one of {', '.join(able)}")
+        return (f"algorithm {c.algorithm.name!r} has no group form of its local update yet; "
+                f"set 1 (one client after another) or use one of {', '.join(able)}")
     problem = models.group_problem(c.model.name, c.model.options)
-    if problem:
-        raise field_error("system.client_group", f"{problem}; set 1 (one client after another)")
+    return f"{problem}; set 1 (one client after another)" if problem else None
 
 
 def _validate_system_model(c: ExperimentConfig) -> None:

@@ -35,8 +35,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import algorithms, models, signals
+from .. import algorithms, signals
 from ..algorithms import group_sgd
+from ..config.validate import group_refusal
 from ..errors import UsageError
 from ..flat import WIRE_BYTES
 from ..results.writer import FileReplacedError
@@ -124,8 +125,7 @@ class Experiment:
         cfg, comm, flat = self.config, self.comm, self.flat
         setting = cfg.system.client_group
         buffers = flat.size != flat.num_params
-        if setting == "auto" and (buffers or not self.alg.trains_in_groups()
-                                  or models.group_problem(cfg.model.name, cfg.model.options)):
+        if setting == "auto" and (buffers or group_refusal(cfg)):
             return 1
         if setting != 1 and buffers:
             raise UsageError("config field system.client_group: the model has float buffers "
