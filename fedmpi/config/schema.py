@@ -154,10 +154,18 @@ class SystemModelConfig:
     up_mbps: float = 5.0               # median uplink, Mbit/s
     bandwidth_sigma: float = 1.0       # lognormal sigma of each client's bandwidths
     latency: float = 0.05              # seconds added to every message, each way
-    policy: str = "wait_all"           # wait_all | deadline | overselect
+    policy: str = "wait_all"           # wait_all | deadline | overselect (synchronous rounds),
+                                       # fedasync | fedbuff (asynchronous: a round is one
+                                       # server step; fedmpi.runtime.asyncfl)
     deadline: float = 0.0              # policy deadline: seconds a round waits (> 0)
     overselect: float = 0.3            # policy overselect: select ceil(S (1 + e)), keep the
                                        # first S to finish (Bonawitz et al. 2019)
+    concurrency: int = 0               # fedasync, fedbuff: clients in flight, C (0: clients.per_round)
+    buffer: int = 0                    # fedbuff: arrivals per server step, K <= C (0: C)
+    staleness: str = "polynomial"      # async: an update tau server steps stale is weighted
+                                       # by s(tau): constant (1) | polynomial ((1 + tau)^-e)
+    staleness_exponent: float = 0.5    # e; 0.5 is FedBuff's 1/sqrt(1 + tau)
+    mixing: float = 0.6                # fedasync: alpha in x <- (1 - alpha s) x + alpha s x_client
 
 
 @dataclass

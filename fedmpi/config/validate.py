@@ -149,7 +149,11 @@ def group_refusal(c: ExperimentConfig) -> str | None:
     """Why this config's method or model cannot train in client groups, or None: refused
     for an explicit G > 1, and "auto" trains one client after another then."""
     from .. import algorithms, models
+    from ..runtime.asyncfl import MODES as ASYNC_MODES
 
+    if c.system_model.policy in ASYNC_MODES:
+        return (f"system_model.policy {c.system_model.policy!r} trains each client on its own "
+                f"model version; set 1 (one client after another)")
     if not algorithms.REGISTRY[c.algorithm.name].trains_in_groups():
         able = sorted(n for n, cls in algorithms.REGISTRY.items() if cls.trains_in_groups())
         return (f"algorithm {c.algorithm.name!r} has no group form of its local update yet; "
@@ -162,6 +166,7 @@ def _validate_system_model(c: ExperimentConfig) -> None:
     """``[system_model]``: names from the lists, numbers in range, and a policy other than
     waiting for all only with profiles to time the clients by."""
     from .. import algorithms
+    from ..runtime.asyncfl import MODES as ASYNC_MODES, STALENESS
     from ..runtime.vclock import POLICIES, PROFILES
 
     m = c.system_model
@@ -169,13 +174,17 @@ def _validate_system_model(c: ExperimentConfig) -> None:
     _one_of("system_model.policy", m.policy, POLICIES)
     for name in ("step_time", "down_mbps", "up_mbps"):
         _positive(f"system_model.{name}", getattr(m, name))
-    for name in ("speed_sigma", "bandwidth_sigma", "latency", "deadline", "overselect"):
+    _one_of("system_model.staleness", m.staleness, STALENESS)
+    for name in ("speed_sigma", "bandwidth_sigma", "latency", "deadline", "overselect",
+                 "concurrency", "buffer", "staleness_exponent"):
         _positive(f"system_model.{name}", getattr(m, name), allow_zero=True)
     if m.profiles == "off":
         if m.policy != "wait_all":
             raise field_error("system_model.policy", f"{m.policy!r} times the clients: set "
                                                      f"system_model.profiles = \"lognormal\"")
         return
+    if m.policy in ASYNC_MODES:
+        _validate_async(c)
     if m.policy == "deadline" and not m.deadline:
         raise field_error("system_model.deadline", "policy \"deadline\" needs a deadline > 0 "
                                                    "(seconds a round waits)")
@@ -192,6 +201,52 @@ def _validate_system_model(c: ExperimentConfig) -> None:
         raise field_error("system_model.profiles", f"algorithm {c.algorithm.name!r} has "
                           f"{len(phases)} phases a round, which the virtual clock does not "
                           f"time yet; set \"off\"")
+
+
+def _validate_async(c: ExperimentConfig) -> None:
+    """FedAsync and FedBuff: C in-flight clients of the population, K <= C, alpha in
+    (0, 1], uniform sampling of a static population, and a method they can serve."""
+    from ..runtime.asyncfl import concurrency
+
+    m, policy = c.system_model, f"system_model.policy {c.system_model.policy!r}"
+    C = concurrency(c)
+    if C > c.clients.num:
+        raise field_error("system_model.concurrency", f"{C} clients in flight, but clients.num "
+                                                      f"is {c.clients.num}")
+    if m.buffer > C:
+        raise field_error("system_model.buffer", f"must be <= system_model.concurrency (the "
+                                                 f"{C} clients in flight), got {m.buffer}")
+    if not 0 < m.mixing <= 1:
+        raise field_error("system_model.mixing", f"must be in (0, 1], got {m.mixing}")
+    if c.clients.sampling != "uniform":
+        raise field_error("clients.sampling", f"{policy} draws each new client uniformly from "
+                                              f"the idle ones; set \"uniform\"")
+    if c.clients.replace_prob:
+        raise field_error("clients.replace_prob", f"{policy} runs on a static population; set 0")
+    problem = async_refusal(c.algorithm.name)
+    if problem:
+        raise field_error("system_model.policy", problem)
+
+
+def async_refusal(name: str) -> str | None:
+    """Why asynchronous FL cannot run algorithm ``name``, or None. It replaces the server's
+    aggregation, so it serves methods whose server side is FedAvg's (one phase, the model
+    as the payload, the sample-weighted mean of the deltas, no server state): their local
+    update stays theirs."""
+    from .. import algorithms
+    from ..algorithms.base import Algorithm
+
+    hooks = ("init_server_state", "payload", "server_update", "contribution",
+             "contribution_sizes", "phase_participants", "gram_weighted", "traffic")
+
+    def able(cls) -> bool:
+        return len(cls.phases) == 1 and all(getattr(cls, h) is getattr(Algorithm, h) for h in hooks)
+
+    if able(algorithms.REGISTRY[name]):
+        return None
+    names = sorted(n for n, cls in algorithms.REGISTRY.items() if able(cls))
+    return (f"asynchronous FL serves methods with FedAvg's server side; {name!r} has its own; "
+            f"use one of {', '.join(names)}")
 
 
 def _check_fixed(obj, prefix: str) -> None:

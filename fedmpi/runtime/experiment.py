@@ -10,7 +10,9 @@ A round, numbered as in ``_round``:
    ``clients.sampling``; a Bernoulli draw may be empty (``clients.empty_rounds = "skip"``):
    then every phase is empty, nobody trains and the server state stays as it is. With
    ``[system_model]`` on, the virtual clock (fedmpi.runtime.vclock) keeps only the
-   clients its round policy lets finish;
+   clients its round policy lets finish; an asynchronous policy (FedAsync, FedBuff:
+   fedmpi.runtime.asyncfl) makes a round one server step: the clients that arrive for
+   it, each trained on the model version it downloaded;
 2. per phase (fedmpi.runtime.phase): place and announce, broadcast the payload, train,
    reduce the sums and gather the client rows and states, apply the server update;
 3. evaluate, on evaluation rounds: workers score test chunks;
@@ -54,6 +56,7 @@ from .scoring import evaluate
 from .state import ClientStateStore
 from .stats import update_statistics
 from .system import numerics
+from .asyncfl import MODES as ASYNC_MODES, AsyncServer
 from .vclock import VirtualClock, selection_size, virtual_columns
 from .world import build_world, eval_batch_size, rank_info, rank_table
 
@@ -101,6 +104,9 @@ class Experiment:
         self.clock = VirtualClock(cfg, self.alg, self.d, WIRE_BYTES, self.steps) \
             if comm.is_server and cfg.system_model.profiles != "off" else None
         self.vplan = None   # the server's virtual-clock plan of the current round
+        self.asynchronous = None   # the server's FedAsync/FedBuff schedule and versions
+        if self.clock is not None and cfg.system_model.policy in ASYNC_MODES:
+            self.asynchronous = AsyncServer(cfg, self.clock.durations())
         if comm.is_server:
             self.eval_batch = eval_batch_size(cfg.eval.batch_size, [r["device"] for r in self.ranks])
             self.state = self.alg.init_server_state(self.flat.params.detach().cpu().clone())
@@ -114,6 +120,8 @@ class Experiment:
             self.at_start = cfg.eval.at_start and self.start == 0 and not evaluated
         self.start, self.eval_batch, self.at_start = comm.bcast_obj(
             (self.start, self.eval_batch, self.at_start) if comm.is_server else None)
+        if self.asynchronous is not None:
+            self.asynchronous.replay(self.start)
         self.phases = Phases(comm, self.alg, self.d, self.device, self.steps,
                              context=partial(round_context, cfg), make_task=self._task,
                              store=self.store, deterministic=cfg.system.deterministic,
@@ -203,7 +211,10 @@ class Experiment:
         ranks = gather_ranks(comm, timers)                                            # 4
         if comm.is_server:
             rows = [result.rows for result in phases]
-            if self.clock is not None:
+            if self.asynchronous is not None:
+                self.diagnostics.update(self.asynchronous.columns(rows[0]))
+                self.asynchronous.done()
+            elif self.clock is not None:
                 self.diagnostics.update(virtual_columns(self.vplan, rows[0]))
             row = round_row(cfg, t, wall, timers, ranks, rows, traffic, acc, test_loss,
                             self.state["x"], x_before, self.diagnostics, comm.size > 1)
@@ -215,6 +226,8 @@ class Experiment:
         cfg, c = self.config, self.config.clients
         if not self.comm.is_server:
             return None
+        if self.asynchronous is not None:   # the clients that arrive for this server step
+            return self.asynchronous.step(self.state["x"])
         sizes = self.sizes[self.split.active(t)] if c.sampling == "size" else None
         per_round = c.per_round if self.clock is None else selection_size(
             cfg.system_model.policy, c.per_round, cfg.system_model.overselect, c.num)
@@ -229,8 +242,10 @@ class Experiment:
     def _phase(self, t, p, phase, sampled, timers, traffic):
         """One phase over the comm (fedmpi.runtime.phase); the server keeps its diagnostics."""
         hook = next(filter(None, (o.client_hook(self, t, p) for o in self.observers)), None)
+        versions = self.asynchronous.versions(self.state) \
+            if self.asynchronous is not None else None
         result = self.phases.run(self.state, t, p, phase, sampled, timers, traffic,
-                                 stop=self.stop, after_client=hook)
+                                 stop=self.stop, after_client=hook, versions=versions)
         if result is not None:
             if p == 0:
                 self.diagnostics.update(update_statistics(result.gathered["update_norm"], *result.stats))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
@@ -50,6 +50,18 @@ class PhaseResult:
 
 
 @dataclass
+class Versions:
+    """A phase whose clients train on model versions of their own (asynchronous FL,
+    fedmpi.runtime.asyncfl). ``states``: version -> a server state to build that
+    version's payload from (server only); ``of``: client -> (version, scale of its
+    delta's contribution, the round key of its data); ``update``: the server update that
+    replaces the method's, or None."""
+    states: dict
+    of: dict
+    update: Callable | None = None
+
+
+@dataclass
 class Phases:
     """What a phase needs from the world. ``make_task(c, ctx, p)``: client c's ClientTask;
     ``store``: the server's client states (get/put); ``steps``: placement weights."""
@@ -66,19 +78,23 @@ class Phases:
     group: int = 1          # system.client_group, resolved: clients trained in lock-step
 
     def run(self, state, t: int, p: int, phase: str, sampled, timers: Timers,
-            traffic: Traffic, stop=None, after_client=None) -> PhaseResult | None:
+            traffic: Traffic, stop=None, after_client=None, versions: Versions | None = None
+            ) -> PhaseResult | None:
         """Steps 1-4 for one phase; returns the result on the server, None elsewhere.
         ``after_client(c, upload)``: called after each local update; returns seconds
-        to count as evaluation rather than compute (FedU^2's local spectra)."""
+        to count as evaluation rather than compute (FedU^2's local spectra).
+        ``versions`` (server; asynchronous FL): each client's own model version, and the
+        server update that replaces the method's, if any."""
         comm, alg = self.comm, self.alg
-        participants, assignment, payload = self.announce(state, t, phase, sampled, stop)  # 1
+        participants, assignment, payload, of = self.announce(state, t, phase, sampled, stop,  # 1
+                                                              versions)
         if payload is None:   # an empty round: nobody trains, nothing to sum or update
             return self.empty(p, phase) if comm.is_server else None
         ctx = self.context(t, phase, participants)
         states = self.scatter_states(assignment)
         t0 = time.perf_counter()
         folded, rows, new_states, vectors, aside = self.train(                          # 2
-            assignment, payload, states, ctx, p, after_client)
+            assignment, payload, states, ctx, p, after_client, of)
         timers.eval += aside
         timers.compute += time.perf_counter() - t0 - aside
         sums = self.collect_sums(folded, assignment, p)                                 # 3
@@ -95,7 +111,8 @@ class Phases:
             return None
         stats = [sums.pop(key) for key in STAT_SIZES_KEYS if key in sums] if p == 0 else []
         t0 = time.perf_counter()
-        alg.server_update(state, sums, gathered, ctx)                                   # 4
+        update = versions.update if versions is not None and versions.update else alg.server_update
+        update(state, sums, gathered, ctx)                                              # 4
         timers.aggregate += time.perf_counter() - t0
         diagnostics = alg.diagnostics(state, sums, gathered, ctx)
         down, up = (n * WIRE_BYTES for n in alg.traffic(self.d, phase))
@@ -105,31 +122,40 @@ class Phases:
                 "bytes_down": np.full(n, down), "bytes_up": np.full(n, up)}
         return PhaseResult(sums, gathered, stats, diagnostics, rows)
 
-    def announce(self, state, t, phase, sampled, stop):
+    def announce(self, state, t, phase, sampled, stop, versions=None):
         """Server -> all: participants, placement and the payload (one flat buffer).
 
         An empty S_t (``clients.empty_rounds = "skip"``) empties every phase of the round,
         whatever ``phase_participants`` would pick: the plan says so (no payload spec,
-        payload None on every rank) and nothing else is sent."""
+        payload None on every rank) and nothing else is sent. With ``versions`` the
+        buffer holds the payload of every model version the clients train on (its names
+        prefixed "v/"), and the head says whose is whose (``Versions.of``)."""
         comm, head, buf = self.comm, None, None
         if comm.is_server:
+            of = None if versions is None else versions.of
             if len(sampled):
                 participants = np.asarray(self.alg.phase_participants(state, phase, sampled))
-                payload = self.alg.payload(state, self.context(t, phase, participants))
+                if versions is None:
+                    payload = self.alg.payload(state, self.context(t, phase, participants))
+                else:
+                    payload = {f"{v}/{k}": tensor for v, s in sorted(versions.states.items())
+                               for k, tensor in self.alg.payload(s, self.context(
+                                   v, phase, participants)).items()}
                 spec = [(k, v.numel()) for k, v in payload.items()]
                 buf = torch.cat([v.reshape(-1).to(torch.float32) for v in payload.values()])
             else:
                 participants, spec = np.zeros(0, dtype=np.int64), None
-            head = (stop, participants, place(participants, self.steps, comm.num_workers, self.group), spec)
-        stop, participants, assignment, spec = comm.bcast_obj(head)
+            head = (stop, participants, place(participants, self.steps, comm.num_workers, self.group),
+                    spec, of)
+        stop, participants, assignment, spec, of = comm.bcast_obj(head)
         if stop:
             raise StopRun(stop)
         if spec is None:
-            return participants, assignment, None
+            return participants, assignment, None, of
         if buf is None:
             buf = torch.empty(sum(n for _, n in spec), dtype=torch.float32)
         comm.bcast(buf)
-        return participants, assignment, split(buf, spec, self.device)
+        return participants, assignment, split(buf, spec, self.device), of
 
     def sizes(self, p: int) -> dict[str, int]:
         """What is summed in phase p: the algorithm's contributions, plus the update
@@ -139,17 +165,21 @@ class Phases:
             sizes.update({key: self.d for key in STAT_SIZES_KEYS})
         return sizes
 
-    def train(self, assignment, payload, states, ctx, p, after_client=None):
+    def train(self, assignment, payload, states, ctx, p, after_client=None, of=None):
         """Train this worker's clients, folding each contribution in as it comes (client
-        groups: a group's at the end of the group)."""
+        groups: a group's at the end of the group). ``of`` (asynchronous FL): client ->
+        (model version, the scale of its contribution's delta, the round key of its data):
+        each trains on its version's payload with that version's round lr."""
         sizes = self.sizes(p)
         folded = Contributions(sizes, self.device, keep_each=self.deterministic)
         rows, new_states, vectors, aside = [], {}, {}, 0.0
         keep = self.alg.gram_weighted(ctx.phase)
         mine = np.asarray(assignment[self.comm.worker_index] if self.comm.is_worker else [])
 
-        def fold(c, upload, seconds):
+        def fold(c, upload, seconds, scale=1.0):
             contribution = self.alg.contribution(upload)
+            if scale != 1.0:   # a stale update's weight (FedBuff)
+                contribution = {**contribution, "delta": contribution["delta"] * scale}
             if STAT_SIZES_KEYS[0] in sizes:
                 contribution = {**contribution, **stat_contribution(upload.delta)}
             folded.add(contribution, c)
@@ -166,11 +196,17 @@ class Phases:
         else:
             for c, state in self.device_states(mine.tolist(), states):
                 t0 = time.perf_counter()
-                task = self.make_task(c, ctx, p)
-                upload = self.alg.local_update(task, payload, state, ctx)
+                mine_ctx, mine_payload, scale = ctx, payload, 1.0
+                if of is not None:
+                    version, scale, key = of[c]
+                    mine_ctx = replace(self.context(version, ctx.phase, ctx.participants), round=key)
+                    mine_payload = {k.split("/", 1)[1]: v for k, v in payload.items()
+                                    if k.startswith(f"{version}/")}
+                task = self.make_task(c, mine_ctx, p)
+                upload = self.alg.local_update(task, mine_payload, state, mine_ctx)
                 if after_client is not None:   # sees the client's local model before it is reloaded
                     aside += after_client(c, upload)
-                fold(c, upload, time.perf_counter() - t0)
+                fold(c, upload, time.perf_counter() - t0, scale)
         table = np.asarray(rows, dtype=np.float64).reshape(-1, self.row_width(ctx.phase))
         return folded, table, new_states, [vectors[c] for c in sorted(vectors)], aside
 

@@ -14,7 +14,7 @@ from ..errors import UsageError
 from ..results import ResultsWriter, RunFile, liveness
 from ..results.lock import RunLock
 from ..results.writer import recover_crashed
-from . import vclock
+from . import asyncfl, vclock
 from .records import RANK_FIELDS, ROUND_FIELDS, client_fields
 
 
@@ -41,6 +41,8 @@ def create_file(exp, dataset, ranks) -> bool:
         partition.update({f"device_{k}": v for k, v in exp.clock.profiles.items()})
         round_fields += vclock.ROUND_FIELDS
         clients += vclock.CLIENT_FIELDS
+    if exp.asynchronous is not None:
+        clients += asyncfl.CLIENT_FIELDS
     exp.lock = RunLock.acquire(cfg.output_path())
     exp.writer = ResultsWriter.create(
         cfg.output_path(), config=cfg.to_dict(), provenance=provenance,
@@ -87,8 +89,17 @@ def load_checkpoint(exp, ckpt) -> None:
         raise UsageError(f"checkpoint lacks server state {missing} of algorithm "
                          f"{exp.config.algorithm.name!r}")
     exp.state = {k: torch.from_numpy(np.array(v)) for k, v in ckpt.server.items()}
+    saved = {k: exp.state.pop(k).numpy() for k in ASYNC_STATE if k in exp.state}
+    if exp.asynchronous is not None:
+        if len(saved) < len(ASYNC_STATE):
+            raise UsageError(f"checkpoint lacks the model versions of the clients in flight "
+                             f"(system_model.policy {exp.config.system_model.policy!r})")
+        exp.asynchronous.load_state_dict(saved)
     exp.store.load_state_dict(ckpt.states())
     exp.start = ckpt.round
+
+
+ASYNC_STATE = ("async_versions", "async_version_ids")
 
 
 def git_commit() -> str:

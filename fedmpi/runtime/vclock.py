@@ -36,7 +36,7 @@ import numpy as np
 from .rng import numpy_rng
 
 PROFILES = ("off", "lognormal")
-POLICIES = ("wait_all", "deadline", "overselect")
+POLICIES = ("wait_all", "deadline", "overselect", "fedasync", "fedbuff")
 PROFILE_FIELDS = ("speed", "down_mbps", "up_mbps", "latency")
 
 
@@ -99,6 +99,12 @@ class VirtualClock:
         self.steps = np.asarray(steps) * config.train.local_epochs   # local steps per client
         self.per_round = config.clients.per_round
         self.now = 0.0   # seconds since the run's start, at the end of the last round
+
+    def durations(self) -> np.ndarray:
+        """Every client's seconds per participation (asynchronous FL's schedule)."""
+        clients = np.arange(len(self.steps))
+        return durations(clients, self.steps, self.bytes_down, self.bytes_up, self.profiles,
+                         self.model.step_time)
 
     def round(self, clients: np.ndarray) -> dict:
         """Round plan for the selected ``clients``: who is kept, their start and end times,

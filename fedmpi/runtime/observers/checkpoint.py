@@ -18,5 +18,7 @@ class Checkpoint(Observer):
 def save(exp, completed: int) -> None:
     """Server: global and client state after ``completed`` rounds, into the file."""
     server = {k: v.detach().cpu().numpy() for k, v in exp.state.items()}
+    if exp.asynchronous is not None:   # the model versions its clients in flight train on
+        server.update(exp.asynchronous.state_dict())
     exp.writer.write_checkpoint(completed, server, exp.store.items(),
                                 exp.alg.client_state_sizes(exp.d), exp.split.num_identities)
