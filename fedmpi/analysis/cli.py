@@ -39,7 +39,8 @@ def _grouping(command):
               help="Rounds to reach this accuracy: 0.8 or 80% (repeatable).")
 @click.option("--format", "fmt", metavar="text|csv|markdown", help="Output format (default text).")
 @click.option("--columns", multiple=True, metavar="LIST",
-              help="Columns to show, comma-separated: acc,final,best,rounds,traffic,time,kappa,rho.")
+              help="Columns to show, comma-separated: acc,final,best,rounds,hours,traffic,time,"
+                   "vtime,kappa,rho,probes (hours, vtime: runs with the virtual clock).")
 @click.option("--completed-only", is_flag=True, help="Leave out runs that did not complete.")
 @click.option("--summary", is_flag=True, help="A summary per run instead of a table.")
 @one_line_errors
@@ -49,7 +50,9 @@ def report(sources, strict, group_by, smooth, at, target, fmt, columns, complete
     One results file and no table options: the run's summary. Otherwise one row per
     group of runs (default: algorithm.name plus every config key that differs between
     the runs, seed excepted), with accuracy at --at rounds, final and best accuracy,
-    rounds to --target accuracies, FL traffic (MB), wall time, kappa and rho.
+    rounds to --target accuracies, FL traffic (MB), wall time, kappa and rho; for runs
+    with the virtual clock (system_model) also the virtual hours to each --target (H@x)
+    and in all (virtual h).
     """
     from fedmpi.analysis.report import report_table, summarize
 
@@ -67,15 +70,16 @@ def report(sources, strict, group_by, smooth, at, target, fmt, columns, complete
 @_sources
 @_grouping
 @click.option("-o", "--output", metavar="FILE", help="Figure file: .png (or .pdf, .svg).")
-@click.option("--x", "x_axis", default="round", metavar="round|traffic|time",
-              help="x axis: round, cumulative FL traffic (MB) or wall time (s); default round.")
+@click.option("--x", "x_axis", default="round", metavar="round|traffic|time|vtime",
+              help="x axis: round, cumulative FL traffic (MB), wall time (s) or virtual time (h, "
+                   "runs with system_model.profiles on); default round.")
 @click.option("--title", help="Figure title (default: the settings all runs share).")
 @click.option("--spectrum", is_flag=True,
               help="Plot the feature spectrum of self-supervised runs instead (/eval: the top "
                    "100 singular values, log10, of each run's last probe; FedU^2 Figure 3).")
 @one_line_errors
 def plot(sources, strict, group_by, smooth, output, x_axis, title, spectrum):
-    """Plot test accuracy of runs against rounds, FL traffic or wall time into one figure.
+    """Plot test accuracy of runs against rounds, FL traffic, wall or virtual time into one figure.
 
     One line per run, or with --group-by one line per group (the mean, with a band of
     ± one std over its runs).

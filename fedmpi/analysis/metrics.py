@@ -18,6 +18,10 @@ Conventions (docs/analysis.md):
   resumed run.
 - FNR-FL's efficiency ratios use the final (unsmoothed) accuracy as a fraction:
   kappa = acc * 1e4 / time_s, rho = acc * 1e4 / traffic_MB (0.9976e4 / 6060 = 1.6462).
+- Virtual time (runs with ``system_model.profiles`` on, whose rows have ``virtual_time``):
+  the simulated deployment's clock at the end of each round, in hours here; 0 at round 0.
+  Hours to a target are read at the same round as ``rounds_to``'s. Runs without the
+  clock give None / NaN.
 
 Every function takes a ``Run`` or a plain dict of round columns (``RunFile.rounds()``).
 """
@@ -29,6 +33,7 @@ import math
 import numpy as np
 
 MB = 1e6
+HOUR = 3600.0  # virtual seconds per hour
 
 
 def _rounds(run) -> dict[str, np.ndarray]:
@@ -130,6 +135,39 @@ def cumulative_time(run) -> np.ndarray:
     return np.cumsum(np.nan_to_num(column, nan=0.0))
 
 
+def has_virtual_clock(run) -> bool:
+    """Whether the run's rows carry the virtual clock (``system_model.profiles`` on)."""
+    return "virtual_time" in _rounds(run)
+
+
+def cumulative_virtual_hours(run) -> np.ndarray:
+    """The virtual clock at the end of each round row, in hours (0 at round 0); all NaN
+    for a run without the clock."""
+    rows = _rounds(run)
+    column = rows.get("virtual_time", np.full(len(rows.get("round", ())), np.nan))
+    return np.asarray(column, dtype=np.float64) / HOUR
+
+
+def virtual_hours(run) -> float:
+    """Virtual hours the whole run took on the simulated deployment: the clock at its last
+    round; NaN without the clock."""
+    hours = cumulative_virtual_hours(run)
+    finite = hours[np.isfinite(hours)]
+    return float(finite[-1]) if len(finite) else math.nan
+
+
+def hours_to(run, target: float, smooth: float | None = None) -> float | None:
+    """Virtual hours at the first round whose (smoothed) accuracy is >= ``target``: the
+    round ``rounds_to`` gives; None if never reached or the run has no virtual clock."""
+    if not has_virtual_clock(run):
+        return None
+    rows = _rounds(run)
+    evaluated = np.isfinite(np.asarray(rows.get("test_acc", ()), dtype=np.float64))
+    _, acc = accuracy_curve(run, smooth)
+    hit = np.flatnonzero(acc >= target)
+    return float(cumulative_virtual_hours(run)[evaluated][hit[0]]) if len(hit) else None
+
+
 def kappa(run) -> float:
     """FNR-FL's time efficiency: final accuracy (fraction) * 1e4 / wall seconds."""
     return _ratio(final_accuracy(run), wall_time(run))
@@ -167,7 +205,8 @@ def summary(run, at=(), targets=(), smooth: float | None = None) -> dict:
 
     Keys: rounds_done, final_acc, best_acc, acc@R per ``at``, rounds_to_T per ``targets``
     (None if never reached), traffic_mb, time_s, kappa, rho, and the probes of a
-    self-supervised run (``probe_results``).
+    self-supervised run (``probe_results``). A run with the virtual clock adds
+    hours_to_T per ``targets`` (None if never reached) and virtual_h.
     """
     out = {"rounds_done": last_round(run),
            "final_acc": final_accuracy(run, smooth),
@@ -175,6 +214,9 @@ def summary(run, at=(), targets=(), smooth: float | None = None) -> dict:
     out.update({f"acc@{r}": accuracy_at(run, r, smooth) for r in at})
     out.update({f"rounds_to_{target_name(t)}": rounds_to(run, t, smooth) for t in targets})
     out.update(traffic_mb=total_traffic_mb(run), time_s=wall_time(run), kappa=kappa(run), rho=rho(run))
+    if has_virtual_clock(run):
+        out.update({f"hours_to_{target_name(t)}": hours_to(run, t, smooth) for t in targets})
+        out["virtual_h"] = virtual_hours(run)
     out.update(probe_results(run))
     return out
 

@@ -1,4 +1,5 @@
-"""Accuracy curves of many runs in one figure: against rounds, FL traffic or wall time;
+"""Accuracy curves of many runs in one figure: against rounds, FL traffic, wall time or
+virtual time (runs with the virtual clock, system_model);
 or (``spectrum=True``) the feature spectra of self-supervised runs (FedU^2 Figure 3).
 
 ``plot_accuracy(runs, ax)`` draws into a matplotlib Axes a notebook already has;
@@ -10,8 +11,8 @@ One line per run, labelled by the config keys that differ between the runs (and 
 seed). With ``group_by``, one line per group: the mean over its runs with a shaded
 band of ± one std. Runs are aligned on round numbers: a group's point at round r
 averages each run's last evaluated accuracy at or before r, and its x is the mean of
-the runs' cumulative MB or seconds at r. Runs that did not complete are labelled with
-their status and never averaged with completed ones.
+the runs' cumulative MB, seconds or virtual hours at r. Runs that did not complete are
+labelled with their status and never averaged with completed ones.
 """
 
 from __future__ import annotations
@@ -25,13 +26,16 @@ from fedmpi.analysis.render import key_header, value
 from fedmpi.analysis.tables import check_keys, differing_keys
 from fedmpi.errors import UsageError
 
-X_AXES = {"round": "round", "traffic": "cumulative FL traffic (MB)", "time": "wall time (s)"}
+X_AXES = {"round": "round", "traffic": "cumulative FL traffic (MB)", "time": "wall time (s)",
+          "vtime": "virtual time (h)"}
 
 
 def plot_accuracy(runs, ax, x: str = "round", group_by=None, smooth: float | None = None):
-    """Draw test accuracy (%) against ``x`` (round | traffic | time) into ``ax``."""
+    """Draw test accuracy (%) against ``x`` (round | traffic | time | vtime) into ``ax``."""
     if x not in X_AXES:
         raise UsageError(f"--x {x!r}: allowed are {', '.join(X_AXES)}")
+    if x == "vtime":
+        _need_virtual_clock(runs)
     if group_by:
         keys = check_keys(runs, group_by, "--group-by")
         for label, members in _groups(runs, keys):
@@ -147,12 +151,24 @@ def _groups(runs, keys: list[str]) -> list[tuple[str, list]]:
     return [(_label(members[0], keys), members) for members in groups.values()]
 
 
+def _need_virtual_clock(runs) -> None:
+    """--x vtime: every run must have the virtual clock's column (one line naming a run)."""
+    missing = [run for run in runs if not metrics.has_virtual_clock(run)]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise UsageError(f"--x vtime: {missing[0].path}{more} has no virtual clock "
+                         "(set system_model.profiles = \"lognormal\" to run with one)")
+
+
 def _x_values(run, x: str) -> np.ndarray:
-    """x per round row: the round, cumulative FL MB, or cumulative wall seconds."""
+    """x per round row: the round, cumulative FL MB, cumulative wall seconds, or the
+    virtual clock in hours."""
     if x == "traffic":
         return metrics.cumulative_traffic_mb(run)
     if x == "time":
         return metrics.cumulative_time(run)
+    if x == "vtime":
+        return metrics.cumulative_virtual_hours(run)
     return np.asarray(run.rounds.get("round", ()), dtype=np.float64)
 
 

@@ -2,8 +2,9 @@
 
 Display cells follow the papers: accuracy in percent with two decimals, ``mean ± std``
 (the std left out for a single run), rounds-to-target with how many runs reached it
-(``153 ± 12 (2/3)``). CSV carries the raw numbers instead, one column per mean, std and
-count, with accuracies as fractions, so a spreadsheet or pandas gets exact values.
+(``153 ± 12 (2/3)``), virtual hours to a target likewise. CSV carries the raw numbers
+instead, one column per mean, std and count, with accuracies as fractions, so a
+spreadsheet or pandas gets exact values.
 """
 
 from __future__ import annotations
@@ -50,6 +51,26 @@ def rounds_stat(mean: float, std: float, reached: int, n: int) -> str:
     if reached > 1 and math.isfinite(std):
         text += f" ± {number(std, 1)}"
     return f"{text} ({reached}/{n})"
+
+
+def hours(mean: float, std: float) -> str:
+    """Virtual hours as ``mean ± std``: four significant digits however small (a short test
+    run lasts seconds, 0.0003061 h), up to 8 decimals."""
+    if mean is None or not math.isfinite(mean):
+        return "-"
+    decimals = 2 if mean == 0 else max(0, min(8, 3 - math.floor(math.log10(abs(mean)))))
+    text = number(mean, decimals)
+    if std is not None and math.isfinite(std):
+        text += f" ± {number(std, decimals)}"
+    return text
+
+
+def hours_stat(mean: float, std: float, reached: int, n: int) -> str:
+    """Virtual hours to a target over the runs that reached it, and how many did
+    (``1.234 ± 0.056 (2/3)``)."""
+    if not reached:
+        return f"- (0/{n})"
+    return f"{hours(mean, std if reached > 1 else math.nan)} ({reached}/{n})"
 
 
 def value(v) -> str:

@@ -7,8 +7,9 @@ they record.
 ``report_table(runs, ...)``: runs grouped by config keys (seeds averaged) as in the
 seed papers' tables: accuracy at chosen rounds, final and best accuracy, rounds to
 target accuracies, FL traffic, wall time and FNR-FL's kappa and rho, each as
-mean ± std over the group's runs. The numbers come from ``fedmpi.analysis``; this
-module only chooses and lays out columns.
+mean ± std over the group's runs; for runs with the virtual clock (system_model) also
+the virtual hours to the targets and in all. The numbers come from
+``fedmpi.analysis``; this module only chooses and lays out columns.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import math
 import numpy as np
 
 from fedmpi.analysis import render
-from fedmpi.analysis.metrics import target_name
+from fedmpi.analysis.metrics import HOUR, has_virtual_clock, target_name
 from fedmpi.analysis.runs import get_key
 from fedmpi.analysis.tables import group_keys, group_table
 from fedmpi.errors import UsageError
@@ -41,6 +42,7 @@ def summarize(path) -> str:
     lines += _accuracy(rounds)
     lines += _traffic(rounds)
     lines += _timing(rounds)
+    lines += _virtual(rounds)
     return "\n".join(f"{label:<{_WIDTH}}{text}" for label, text in lines)
 
 
@@ -174,10 +176,27 @@ def _timing(rounds: dict) -> list[tuple[str, str]]:
     return lines
 
 
-# --columns choices, in display order; acc needs --at, rounds needs --target.
-COLUMNS = ("acc", "final", "best", "rounds", "traffic", "time", "kappa", "rho", "probes")
+def _virtual(rounds: dict) -> list[tuple[str, str]]:
+    """The virtual clock's total (runs with system_model.profiles on) and the clients it
+    dropped; nothing for a run without it."""
+    clock = rounds.get("virtual_time")
+    if clock is None or not np.any(np.isfinite(clock)):
+        return []
+    total = float(clock[np.isfinite(clock)][-1])
+    text = f"{render.hours(total / HOUR, None)} h ({total:.1f} s) on the simulated deployment"
+    dropped = rounds.get("n_dropped")
+    if dropped is not None and np.any(np.isfinite(dropped)):
+        text += f", {int(np.nansum(dropped))} clients dropped"
+    return [("virtual time", text)]
+
+
+# --columns choices, in display order; acc needs --at, rounds and hours need --target,
+# hours and vtime a run with the virtual clock.
+COLUMNS = ("acc", "final", "best", "rounds", "hours", "traffic", "time", "vtime", "kappa", "rho",
+           "probes")
 _NUMBER_COLUMNS = {"traffic": ("traffic_mb", "traffic MB"), "time": ("time_s", "time s"),
                    "kappa": ("kappa", "kappa"), "rho": ("rho", "rho")}
+_NO_CLOCK = "set system_model.profiles = \"lognormal\" to run with one"
 
 
 def report_table(runs, group_by=None, at=(), targets=(), smooth=None, columns=None,
@@ -190,7 +209,7 @@ def report_table(runs, group_by=None, at=(), targets=(), smooth=None, columns=No
     rows = group_table(runs, keys, at, targets, smooth)
     probes = sorted((k[:-len("_mean")] for k in (rows[0] if rows else {})
                      if k.endswith("_mean") and _is_probe(k[:-len("_mean")])), key=_probe_order)
-    chosen = _choose(columns, at, targets, bool(probes))
+    chosen = _choose(columns, at, targets, bool(probes), any(has_virtual_clock(run) for run in runs))
     specs = _metric_specs(chosen, at, targets, probes)
     if fmt == "csv":
         return render.csv_table(rows, keys + ["status", "n"] + [f for spec in specs for f in spec[2]])
@@ -218,11 +237,11 @@ def _probe_order(name: str) -> tuple:
     return (0 if name == "linear_acc" else 2, 0.0)
 
 
-def _choose(columns, at, targets, probes: bool = False) -> list[str]:
+def _choose(columns, at, targets, probes: bool = False, clock: bool = False) -> list[str]:
     """Chosen columns in display order; by default everything the options give numbers for."""
     if not columns:
-        return [c for c in COLUMNS if (c != "acc" or at) and (c != "rounds" or targets)
-                and (c != "probes" or probes)]
+        return [c for c in COLUMNS if (c != "acc" or at) and (c not in ("rounds", "hours") or targets)
+                and (c != "probes" or probes) and (c not in ("hours", "vtime") or clock)]
     unknown = [c for c in columns if c not in COLUMNS]
     if unknown:
         raise UsageError(f"--columns: unknown column {unknown[0]!r}; allowed: {', '.join(COLUMNS)}")
@@ -230,6 +249,11 @@ def _choose(columns, at, targets, probes: bool = False) -> list[str]:
         raise UsageError("--columns acc needs --at ROUND (accuracy at that round)")
     if "rounds" in columns and not targets:
         raise UsageError("--columns rounds needs --target ACC (rounds to reach that accuracy)")
+    if "hours" in columns and not targets:
+        raise UsageError("--columns hours needs --target ACC (virtual hours to reach that accuracy)")
+    for name in ("hours", "vtime"):
+        if name in columns and not clock:
+            raise UsageError(f"--columns {name}: no run has a virtual clock ({_NO_CLOCK})")
     return [c for c in COLUMNS if c in columns]
 
 
@@ -253,6 +277,11 @@ def _metric_specs(chosen, at, targets, probes=()) -> list[tuple]:
             specs.append(_acc_spec(f"{name} %", f"{name}_acc"))
         elif name == "rounds":
             specs += [_rounds_spec(t) for t in targets]
+        elif name == "hours":
+            specs += [_hours_spec(t) for t in targets]
+        elif name == "vtime":
+            specs.append(("virtual h", lambda row: render.hours(row["virtual_h_mean"], row["virtual_h_std"]),
+                          ["virtual_h_mean", "virtual_h_std"]))
         else:
             field, header = _NUMBER_COLUMNS[name]
             specs.append((header, lambda row, f=field: render.stat(row[f + "_mean"], row[f + "_std"]),
@@ -273,6 +302,17 @@ def _rounds_spec(target: float) -> tuple:
             [f"{field}_mean", f"{field}_std", f"{field}_reached"])
 
 
+def _hours_spec(target: float) -> tuple:
+    """H@x: virtual hours to the target; '-' for a group none of whose runs has the clock."""
+    field = f"hours_to_{target_name(target)}"
+
+    def cell(row):
+        if not math.isfinite(row.get("virtual_h_mean", math.nan)):
+            return "-"
+        return render.hours_stat(row[field + "_mean"], row[field + "_std"], row[field + "_reached"], row["n"])
+    return (f"H@{100 * target:g}%", cell, [f"{field}_mean", f"{field}_std", f"{field}_reached"])
+
+
 def _notes(chosen, smooth, show_status) -> str:
     """What the numbers are, under the table (text and Markdown only)."""
     acc = "test accuracy in %" + (f", EMA({smooth:g})-smoothed over evaluated rounds" if smooth else "")
@@ -280,8 +320,13 @@ def _notes(chosen, smooth, show_status) -> str:
     if "rounds" in chosen:
         notes.append("R@x: first round whose accuracy reaches x, "
                      "mean over the runs that reached it (reached/n)")
+    if "hours" in chosen:
+        notes.append("H@x: virtual hours (the simulated deployment's clock, system_model) at the first "
+                     "round whose accuracy reaches x, mean over the runs that reached it (reached/n); "
+                     "- without the clock")
     units = [text for name, text in (("traffic", "traffic: FL MB (10^6 bytes) down + up"),
                                      ("time", "time: sum of round wall times (s)"),
+                                     ("vtime", "virtual h: the run's virtual time in hours"),
                                      ("kappa", "kappa = acc*1e4/time"),
                                      ("rho", "rho = acc*1e4/traffic")) if name in chosen]
     if units:

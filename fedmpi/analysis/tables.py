@@ -91,7 +91,8 @@ def group_table(runs: list[Run], group_by=None, at=(), targets=(), smooth=None) 
     One row per group: the key values, ``status``, ``n`` (runs), then for each metric
     ``<m>_mean`` and ``<m>_std`` (sample std, ddof=1; NaN for one run) over the runs where
     it is defined, and for each target ``rounds_to_T_reached`` (runs that reached it;
-    the mean and std are over those runs only).
+    the mean and std are over those runs only), and likewise ``hours_to_T_reached`` when
+    some run has the virtual clock.
     """
     if not runs:
         return []
@@ -110,7 +111,7 @@ def _aggregate(rows: list[dict], keys: list[str], names: list[str]) -> dict:
     for name in names:
         values = [r[name] for r in rows if r.get(name) is not None and math.isfinite(r[name])]
         out[f"{name}_mean"], out[f"{name}_std"] = _mean_std(values)
-        if name.startswith("rounds_to_"):
+        if name.startswith(("rounds_to_", "hours_to_")):
             out[f"{name}_reached"] = len(values)
     return out
 
