@@ -15,7 +15,7 @@ from fedmpi.results import RunFile
 from fedmpi.runtime import run_experiment
 from fedmpi.runtime.asyncfl import AsyncSchedule, staleness_weight
 
-from conftest import fedmpi, mpirun, needs_mpi
+from conftest import mpirun, needs_mpi
 from helpers import TINY, merged, write_config
 
 CLOCK = {"profiles": "lognormal", "step_time": 0.05}
@@ -141,14 +141,13 @@ def test_resume_with_clients_in_flight_is_bitwise_the_uninterrupted_run(tmp_path
 @pytest.mark.slow
 @needs_mpi
 def test_fedbuff_is_bitwise_the_same_for_1_2_and_3_ranks(tmp_path):
-    config = write_config(tmp_path / "b.toml", rounds=3, system={"deterministic": True},
-                          system_model={**CLOCK, "policy": "fedbuff", "concurrency": 5,
-                                        "buffer": 3})
-    fedmpi(["run", "-q", str(config), "-o", str(tmp_path / "one.h5")], check=True)
+    over = dict(rounds=3, system={"deterministic": True},
+                system_model={**CLOCK, "policy": "fedbuff", "concurrency": 5, "buffer": 3})
+    config = write_config(tmp_path / "b.toml", **over)
     for n in (2, 3):
         mpirun(n, [sys.executable, "-m", "fedmpi", "run", "-q", str(config), "-o",
                    str(tmp_path / f"n{n}.h5")])
-    with RunFile(tmp_path / "one.h5") as a:
+    with run(tmp_path, "one", **over)[1] as a:
         for n in (2, 3):
             with RunFile(tmp_path / f"n{n}.h5") as b:
                 assert a.clients()["staleness"].max() > 0

@@ -107,7 +107,7 @@ def test_size_weights_are_the_sample_counts_of_who_holds_the_slots():
     clients = SimpleNamespace(num=4, per_round=2, sampling="size", empty_rounds="redraw")
     exp = SimpleNamespace(config=SimpleNamespace(seed=0, clients=clients),
                           comm=SimpleNamespace(is_server=True), sizes=sizes, split=Split(),
-                          clock=None)
+                          clock=None, asynchronous=None)
     early = np.concatenate([Experiment._sample(exp, t) for t in range(10)])
     late = np.concatenate([Experiment._sample(exp, t) for t in range(10, 20)])
     assert np.bincount(early, minlength=6)[[2, 3]].sum() > 15 and set(late) <= {2, 3, 4, 5}

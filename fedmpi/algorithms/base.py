@@ -155,6 +155,13 @@ class Algorithm:
     def client_state_sizes(self, d: int) -> dict[str, int]:
         return {}
 
+    def compressible(self, d: int) -> dict[str, dict[str, int]]:
+        """The messages a codec may compress (``[compression]``), by name and size:
+        "up", vectors of the upload (``delta`` or a name in ``extras``); "down", vectors
+        of the payload. Whatever else ``traffic`` counts (a scalar such as FedNova's a_i)
+        is sent at full width."""
+        return {"up": {"delta": d}, "down": {"x": d}}
+
     def gather_sizes(self, d: int, phase: str | None = None) -> dict[str, int]:
         """Per-client values ``gather`` returns in ``phase``; None: in any phase (the
         union, a key missing from ``gather`` in a phase is NaN there)."""

@@ -49,6 +49,9 @@ class FedACG(Algorithm):
     def init_server_state(self, x):
         return {"x": x.clone(), "m": torch.zeros_like(x)}
 
+    def compressible(self, d):
+        return {"up": {"delta": d}, "down": {"x_hat": d}}
+
     def payload(self, state, ctx):
         return {"x_hat": state["x"] + self.params.lam * state["m"]}
 

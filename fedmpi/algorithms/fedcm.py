@@ -42,6 +42,9 @@ class FedCM(FedAvg):
         return {"x": x.clone(), "D": torch.zeros_like(x),
                 "K": torch.zeros(1, dtype=torch.float64)}   # K = 0: no update yet, m = 0
 
+    def compressible(self, d):
+        return {"up": {"delta": d}, "down": {"x": d, "m": d}}
+
     def payload(self, state, ctx):
         # host sync: server, once per round
         m = momentum.gradient_units(state["D"], float(state["K"]), ctx.lr_prev)

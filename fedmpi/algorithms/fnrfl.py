@@ -158,6 +158,10 @@ class FNRFL(Algorithm):
             return state["fnr_selected"].numpy()  # host sync: none, server state on the CPU
         return self.base.phase_participants(state, phase, sampled)
 
+    def compressible(self, d):
+        """None: the refinement rebuilds each client's upload from its local model."""
+        return {"up": {}, "down": {}}
+
     def payload(self, state, ctx):
         if ctx.phase == "train":
             return self.base.payload(state, ctx)

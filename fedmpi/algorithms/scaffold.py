@@ -56,6 +56,9 @@ class Scaffold(Algorithm):
     def client_state_sizes(self, d):
         return {"c_i": d}
 
+    def compressible(self, d):
+        return {"up": {"delta": d, "delta_c": d}, "down": {"x": d, "c": d}}
+
     def contribution_sizes(self, d, phase=None):
         return {**super().contribution_sizes(d, phase), "delta_c": d}
 

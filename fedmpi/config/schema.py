@@ -147,7 +147,11 @@ class SystemConfig:
 class SystemModelConfig:
     """The simulated deployment's devices and networks (fedmpi.runtime.vclock): off by
     default, and then nothing about a run changes."""
-    profiles: str = "off"              # off | lognormal: per-client speed and bandwidths
+    profiles: str = "off"              # off | lognormal: per-client speed and bandwidths drawn
+                                       # from the seed | file: read from profile_file
+    profile_file: str = ""             # profiles file: a .csv (header row) or .npz with columns
+                                       # client, speed, down_mbps, up_mbps, latency; every
+                                       # client id 0..N-1 of the population exactly once
     step_time: float = 0.05            # seconds one local step takes at speed 1
     speed_sigma: float = 1.0           # lognormal sigma of the per-client speed (median 1)
     down_mbps: float = 20.0            # median downlink, Mbit/s
@@ -166,6 +170,33 @@ class SystemModelConfig:
                                        # by s(tau): constant (1) | polynomial ((1 + tau)^-e)
     staleness_exponent: float = 0.5    # e; 0.5 is FedBuff's 1/sqrt(1 + tau)
     mixing: float = 0.6                # fedasync: alpha in x <- (1 - alpha s) x + alpha s x_client
+    # Who can be sampled in a round (synchronous policies only; needs profiles):
+    availability: str = "always"       # always | bernoulli | markov | diurnal | trace
+    availability_p: float = 0.5        # bernoulli: P(available), independently each round
+    p_on_off: float = 0.1              # markov: P(on -> off) per round
+    p_off_on: float = 0.3              # markov: P(off -> on) per round (starts stationary)
+    diurnal_base: float = 0.5          # diurnal: P = clip(base + amplitude sin(2 pi (hour +
+    diurnal_amplitude: float = 0.4     # phase_c) / 24), 0, 1), hour the round's virtual start
+    availability_file: str = ""        # trace: .csv (header row) or .npz, rows client, start,
+                                       # end (virtual seconds): available when start <= t0 < end
+    dropout: float = 0.0               # P(a selected client drops out mid-round: it downloads,
+                                       # never uploads, is not trained); in [0, 1)
+
+
+@dataclass
+class CompressionConfig:
+    """Compressed messages (fedmpi.runtime.compression): off by default, and then nothing
+    about a run changes. Bytes in the ledger are the encoded sizes, exactly."""
+    up: str = "none"                   # none | fp16 | bf16 | qsgd | topk | randk | sign
+    down: str = "none"                 # none | fp16 | bf16 (the payload, cast)
+    bits: int = 8                      # qsgd: bits of each value's level (plus a sign bit), 1..16
+    bucket: int = 0                    # qsgd: values sharing one norm scale (0: the whole vector)
+    fraction: float = 0.01             # topk, randk: k = ceil(fraction n) of n values
+    count: int = 0                     # topk, randk: k itself, where > 0 (overrides fraction)
+    error_feedback: bool = False       # keep what the codec dropped per client, send it later
+    feedback: str = "ef"               # ef (classic, e <- v + e - C(v + e)) | ef21 (g <- g + C(v - g))
+    messages: list = field(default_factory=lambda: ["delta"])   # the uploads to compress:
+                                       # names the algorithm declares compressible
 
 
 @dataclass
@@ -184,6 +215,7 @@ class ExperimentConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     system: SystemConfig = field(default_factory=SystemConfig)
     system_model: SystemModelConfig = field(default_factory=SystemModelConfig)
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
 
     def output_path(self) -> Path:
         return Path(self.output.format(**self.placeholders()))

@@ -102,6 +102,7 @@ def resolve_and_validate(c: ExperimentConfig) -> None:
                           f"side public set; set it > 0 (fnrfl_fmnist uses 320)")
     _validate_client_group(c)
     _validate_system_model(c)
+    _validate_compression(c)
     _validate_paths(c)
 
 
@@ -178,10 +179,16 @@ def _validate_system_model(c: ExperimentConfig) -> None:
     for name in ("speed_sigma", "bandwidth_sigma", "latency", "deadline", "overselect",
                  "concurrency", "buffer", "staleness_exponent"):
         _positive(f"system_model.{name}", getattr(m, name), allow_zero=True)
+    _validate_availability(c)
     if m.profiles == "off":
         if m.policy != "wait_all":
             raise field_error("system_model.policy", f"{m.policy!r} times the clients: set "
                                                      f"system_model.profiles = \"lognormal\"")
+        for name, on in (("availability", m.availability != "always"), ("dropout", m.dropout)):
+            if on:
+                raise field_error(f"system_model.{name}", "runs on the virtual clock: set "
+                                                          "system_model.profiles = \"lognormal\" "
+                                                          "or \"file\"")
         return
     if m.policy in ASYNC_MODES:
         _validate_async(c)
@@ -203,12 +210,100 @@ def _validate_system_model(c: ExperimentConfig) -> None:
                           f"time yet; set \"off\"")
 
 
+def _validate_availability(c: ExperimentConfig) -> None:
+    """Profiles from a file, availability and dropout: names from the lists, probabilities
+    in range, files readable with the right columns and values. A static population's
+    client ids are checked here against clients.num; a dynamic one's (more identities
+    than clients.num, known once the partition is made) when the clock is set up."""
+    from ..runtime.vclock import AVAILABILITY, read_profiles, read_trace
+
+    m = c.system_model
+    _one_of("system_model.availability", m.availability, AVAILABILITY)
+    static = None if c.clients.replace_prob else c.clients.num
+    if m.profiles == "file":
+        read_profiles(m.profile_file, static)
+    elif m.profile_file:
+        raise field_error("system_model.profile_file", f"is read with system_model.profiles = "
+                                                       f"\"file\" only (profiles is {m.profiles!r})")
+    if m.availability == "trace":
+        read_trace(m.availability_file, static)
+    elif m.availability_file:
+        raise field_error("system_model.availability_file", "is read with "
+                          "system_model.availability = \"trace\" only (availability is "
+                          f"{m.availability!r})")
+    if not 0 < m.availability_p <= 1:
+        raise field_error("system_model.availability_p", f"must be in (0, 1], got {m.availability_p}")
+    for name in ("p_on_off", "p_off_on"):
+        value = getattr(m, name)
+        if not 0 < value <= 1:
+            raise field_error(f"system_model.{name}", f"must be in (0, 1], got {value}")
+    if not 0 <= m.diurnal_base <= 1:
+        raise field_error("system_model.diurnal_base", f"must be in [0, 1], got {m.diurnal_base}")
+    if not 0 <= m.diurnal_amplitude <= 1:
+        raise field_error("system_model.diurnal_amplitude", f"must be in [0, 1], got "
+                                                            f"{m.diurnal_amplitude}")
+    if m.diurnal_base + m.diurnal_amplitude <= 0:
+        raise field_error("system_model.diurnal_amplitude", "diurnal_base + diurnal_amplitude "
+                                                            "must be > 0 (else nobody is ever "
+                                                            "available)")
+    if not 0 <= m.dropout < 1:
+        raise field_error("system_model.dropout", f"must be in [0, 1), got {m.dropout}")
+
+
+def _validate_compression(c: ExperimentConfig) -> None:
+    """``[compression]``: codecs from the lists, settings in range, and messages the
+    algorithm declares compressible."""
+    from .. import algorithms
+    from ..runtime.compression import DOWN_CODECS, FEEDBACK, UP_CODECS
+
+    z = c.compression
+    _one_of("compression.up", z.up, UP_CODECS)
+    _one_of("compression.down", z.down, DOWN_CODECS)
+    _one_of("compression.feedback", z.feedback, FEEDBACK)
+    if not 1 <= z.bits <= 16:
+        raise field_error("compression.bits", f"must be in 1..16, got {z.bits}")
+    if not 0 < z.fraction <= 1:
+        raise field_error("compression.fraction", f"must be in (0, 1], got {z.fraction}")
+    _positive("compression.count", z.count, allow_zero=True)
+    _positive("compression.bucket", z.bucket, allow_zero=True)
+    if z.up == "none" and z.down == "none":
+        if z.error_feedback:
+            raise field_error("compression.error_feedback", "feeds back what an upload codec "
+                                                           "drops; set compression.up")
+        return
+    alg = algorithms.build(c.algorithm.name, c.algorithm.params)
+    declared = alg.compressible(1)
+    if not declared["up"] and not declared["down"]:
+        raise field_error("compression.up" if z.up != "none" else "compression.down",
+                          f"algorithm {c.algorithm.name!r} declares no message that may be "
+                          f"compressed")
+    if z.up == "none":
+        return
+    if not isinstance(z.messages, list) or not z.messages or \
+            len(set(map(str, z.messages))) != len(z.messages):
+        raise field_error("compression.messages", f"a list of distinct upload names, got "
+                                                  f"{z.messages!r}")
+    for name in z.messages:
+        if name not in declared["up"]:
+            raise field_error("compression.messages", f"{name!r} is not an upload algorithm "
+                              f"{c.algorithm.name!r} declares compressible (those: "
+                              f"{', '.join(declared['up'])})")
+
+
 def _validate_async(c: ExperimentConfig) -> None:
     """FedAsync and FedBuff: C in-flight clients of the population, K <= C, alpha in
-    (0, 1], uniform sampling of a static population, and a method they can serve."""
+    (0, 1], uniform sampling of a static population, every client always available and
+    none dropping out, and a method they can serve."""
     from ..runtime.asyncfl import concurrency
 
     m, policy = c.system_model, f"system_model.policy {c.system_model.policy!r}"
+    if m.availability != "always":
+        raise field_error("system_model.availability", f"{policy} draws from the whole idle "
+                                                       f"population; availability is for the "
+                                                       f"synchronous policies: set \"always\"")
+    if m.dropout:
+        raise field_error("system_model.dropout", f"{policy} has no mid-round dropout (a "
+                                                  f"synchronous policies' setting); set 0")
     C = concurrency(c)
     if C > c.clients.num:
         raise field_error("system_model.concurrency", f"{C} clients in flight, but clients.num "

@@ -41,7 +41,6 @@ from .. import algorithms, signals
 from ..algorithms import group_sgd
 from ..config.validate import group_refusal
 from ..errors import UsageError
-from ..flat import WIRE_BYTES
 from ..results.writer import FileReplacedError
 from .observers import RoundRecord, default_observers
 from .observers.divergence import DIVERGED
@@ -57,7 +56,8 @@ from .state import ClientStateStore
 from .stats import update_statistics
 from .system import numerics
 from .asyncfl import MODES as ASYNC_MODES, AsyncServer
-from .vclock import VirtualClock, selection_size, virtual_columns
+from .compression import Compression
+from .vclock import VirtualClock, sample_available, selection_size, virtual_columns
 from .world import build_world, eval_batch_size, rank_info, rank_table
 
 __all__ = ["CLIENT_FIELDS", "EXIT_PREEMPTED", "RANK_FIELDS", "ROUND_FIELDS", "Contributions",
@@ -101,7 +101,9 @@ class Experiment:
         if self.group > 1 and comm.is_worker:
             group_sgd.warm_up()
         self.ranks = comm.gather_obj(rank_info(comm, world), count=False)
-        self.clock = VirtualClock(cfg, self.alg, self.d, WIRE_BYTES, self.steps) \
+        self.codecs = Compression(cfg, self.alg, self.d)
+        self.clock = VirtualClock(cfg, self.codecs.message_bytes(self.d, self.alg.phases[0]),
+                                  self.steps) \
             if comm.is_server and cfg.system_model.profiles != "off" else None
         self.vplan = None   # the server's virtual-clock plan of the current round
         self.asynchronous = None   # the server's FedAsync/FedBuff schedule and versions
@@ -110,7 +112,7 @@ class Experiment:
         if comm.is_server:
             self.eval_batch = eval_batch_size(cfg.eval.batch_size, [r["device"] for r in self.ranks])
             self.state = self.alg.init_server_state(self.flat.params.detach().cpu().clone())
-            self.store = ClientStateStore(self.alg.client_state_sizes(self.d),
+            self.store = ClientStateStore(self.state_sizes(),
                                           memory_bytes=cfg.system.state_memory_mb * 2 ** 20,
                                           directory=cfg.system.state_dir)
             evaluated = resume_file(self, self.ranks) if self.resume else \
@@ -125,7 +127,12 @@ class Experiment:
         self.phases = Phases(comm, self.alg, self.d, self.device, self.steps,
                              context=partial(round_context, cfg), make_task=self._task,
                              store=self.store, deterministic=cfg.system.deterministic,
-                             update_stats=cfg.eval.update_stats, group=self.group)
+                             update_stats=cfg.eval.update_stats, group=self.group,
+                             codecs=self.codecs)
+
+    def state_sizes(self) -> dict[str, int]:
+        """Each client's persistent state: the algorithm's and the codecs' error feedback."""
+        return {**self.alg.client_state_sizes(self.d), **self.codecs.state_sizes()}
 
     def _client_group(self) -> int:
         """``system.client_group`` resolved, the same on every rank ("auto": 1 where groups
@@ -222,7 +229,9 @@ class Experiment:
 
     def _sample(self, t: int):
         """S_t: slots drawn by ``clients.sampling`` (size: weighted by the sample counts of
-        the clients that hold the slots in round t), then the identities in those slots."""
+        the clients that hold the slots in round t), then the identities in those slots.
+        With ``system_model.availability``, the draw is among the slots whose identity is
+        available in round t (all of them when fewer than needed are)."""
         cfg, c = self.config, self.config.clients
         if not self.comm.is_server:
             return None
@@ -231,12 +240,21 @@ class Experiment:
         sizes = self.sizes[self.split.active(t)] if c.sampling == "size" else None
         per_round = c.per_round if self.clock is None else selection_size(
             cfg.system_model.policy, c.per_round, cfg.system_model.overselect, c.num)
-        slots = sample_clients(cfg.seed, t, c.num, per_round, c.sampling, sizes=sizes,
-                               empty=c.empty_rounds)
+        available = None if self.clock is None else self.clock.available(t)
+        if available is None:
+            slots = sample_clients(cfg.seed, t, c.num, per_round, c.sampling, sizes=sizes,
+                                   empty=c.empty_rounds)
+            n_available = c.num
+        else:
+            pool = np.flatnonzero(available[self.split.active(t)])   # available slots
+            slots = sample_available(cfg.seed, t, pool, per_round, c.sampling, sizes=sizes,
+                                     empty=c.empty_rounds)
+            n_available = len(pool)
         sampled = self.split.sample(slots, t)
         if self.clock is None:
             return sampled
-        self.vplan = self.clock.round(sampled)   # who finishes in time: only they train
+        # who finishes in time (and does not drop out): only they train
+        self.vplan = self.clock.round(sampled, t, n_available)
         return sampled[self.vplan["keep"]]
 
     def _phase(self, t, p, phase, sampled, timers, traffic):
@@ -267,7 +285,8 @@ class Experiment:
         if comm.is_server:
             row = start_row(wall, timers, ranks, acc, test_loss)
             if self.clock is not None:   # the clock starts with the run
-                row.update(virtual_time=0.0, n_dropped=0, dropped_bytes_down=0.0)
+                row.update(virtual_time=0.0, n_dropped=0, dropped_bytes_down=0.0,
+                           n_available=math.nan)   # nobody is sampled in round 0
             self._record(0, row, ranks, [])
 
     def _record(self, round_: int, row: dict, ranks: np.ndarray, rows: list[dict]) -> None:

@@ -22,8 +22,8 @@ import torch
 
 from .. import algorithms
 from ..algorithms import schedule
-from ..flat import WIRE_BYTES
 from . import gram
+from .compression import Compression
 from .plan import groups, place
 from .records import Timers, Traffic
 from .stats import STAT_SIZES_KEYS, stat_contribution
@@ -76,6 +76,14 @@ class Phases:
     deterministic: bool = False
     update_stats: bool = False
     group: int = 1          # system.client_group, resolved: clients trained in lock-step
+    codecs: Compression | None = None   # the run's codecs; None: no compression
+
+    def __post_init__(self):
+        if self.codecs is None:
+            self.codecs = Compression(None, self.alg, self.d)
+        # the client states: the algorithm's, then the codecs' error feedback
+        self.alg_states = self.alg.client_state_sizes(self.d)
+        self.state_sizes = {**self.alg_states, **self.codecs.state_sizes()}
 
     def run(self, state, t: int, p: int, phase: str, sampled, timers: Timers,
             traffic: Traffic, stop=None, after_client=None, versions: Versions | None = None
@@ -115,7 +123,7 @@ class Phases:
         update(state, sums, gathered, ctx)                                              # 4
         timers.aggregate += time.perf_counter() - t0
         diagnostics = alg.diagnostics(state, sums, gathered, ctx)
-        down, up = (n * WIRE_BYTES for n in alg.traffic(self.d, phase))
+        down, up = self.codecs.message_bytes(self.d, phase)
         n = len(participants)
         traffic.add(down, up, n)
         rows = {**self.unused_columns(phase, n), **gathered, "phase": np.full(n, p),
@@ -136,11 +144,12 @@ class Phases:
             if len(sampled):
                 participants = np.asarray(self.alg.phase_participants(state, phase, sampled))
                 if versions is None:
-                    payload = self.alg.payload(state, self.context(t, phase, participants))
+                    payload = self.codecs.download(
+                        self.alg.payload(state, self.context(t, phase, participants)))
                 else:
                     payload = {f"{v}/{k}": tensor for v, s in sorted(versions.states.items())
-                               for k, tensor in self.alg.payload(s, self.context(
-                                   v, phase, participants)).items()}
+                               for k, tensor in self.codecs.download(self.alg.payload(
+                                   s, self.context(v, phase, participants))).items()}
                 spec = [(k, v.numel()) for k, v in payload.items()]
                 buf = torch.cat([v.reshape(-1).to(torch.float32) for v in payload.values()])
             else:
@@ -177,6 +186,7 @@ class Phases:
         mine = np.asarray(assignment[self.comm.worker_index] if self.comm.is_worker else [])
 
         def fold(c, upload, seconds, scale=1.0):
+            upload, feedback = self.codecs.upload(upload, states.get(c), (ctx.round, c, p))
             contribution = self.alg.contribution(upload)
             if scale != 1.0:   # a stale update's weight (FedBuff)
                 contribution = {**contribution, "delta": contribution["delta"] * scale}
@@ -185,8 +195,9 @@ class Phases:
             folded.add(contribution, c)
             if keep:  # the gram path needs each client's update (host memory: K_w d)
                 vectors[c] = upload.delta.detach().float().cpu()
-            if upload.state is not None:
-                new_states[c] = {k: v.detach().cpu().numpy() for k, v in upload.state.items()}
+            if upload.state is not None or feedback:
+                new_states[c] = {**states.get(c, {}), **{k: v.detach().cpu().numpy() for k, v in
+                                                         {**(upload.state or {}), **feedback}.items()}}
             rows.append(self.client_row(c, upload, seconds, ctx.phase))
 
         if self.group > 1:
@@ -222,7 +233,8 @@ class Phases:
             t0 = time.perf_counter()
             tasks = [self.make_task(c, ctx, p) for c in clients]
             client_states = [None if states.get(c) is None else
-                             {k: torch.from_numpy(v).to(self.device) for k, v in states[c].items()}
+                             {k: torch.from_numpy(v).to(self.device) for k, v in states[c].items()
+                              if k in self.alg_states}
                              for c in clients]
             uploads = self.alg.local_update_group(tasks, payload, client_states, ctx)
             seconds = (time.perf_counter() - t0) / len(clients)
@@ -291,7 +303,7 @@ class Phases:
 
     # ---- client state: kept on the server's host, shipped to whoever trains the client --
     def scatter_states(self, assignment) -> dict:
-        if not self.alg.client_state_sizes(self.d):
+        if not self.state_sizes:
             return {}
         parts = None
         if self.comm.is_server:
@@ -304,15 +316,20 @@ class Phases:
         is on the GPU at a time (with ResNet-18 a stateful method's state is ~45 MB a
         client): on CUDA the next client's state is copied from pinned memory on a side
         stream while the current client trains."""
+        def own(c):   # the algorithm's state (the codecs' error feedback is the runtime's)
+            s = states.get(c)
+            return None if s is None or not self.alg_states else \
+                {k: v for k, v in s.items() if k in self.alg_states}
+
         if self.device.type != "cuda":
             for c in clients:
-                s = states.get(c)
+                s = own(c)
                 yield c, None if s is None else {k: torch.from_numpy(v) for k, v in s.items()}
             return
         stream = torch.cuda.Stream(self.device)
 
         def issue(c):
-            s = states.get(c)
+            s = own(c)
             if s is None:
                 return None
             with torch.cuda.stream(stream):
@@ -329,7 +346,7 @@ class Phases:
             yield c, current
 
     def gather_states(self, new_states) -> None:
-        if not self.alg.client_state_sizes(self.d):
+        if not self.state_sizes:
             return
         parts = self.comm.gather_obj(new_states)
         if self.comm.is_server:

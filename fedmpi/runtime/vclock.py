@@ -1,9 +1,12 @@
-"""The virtual clock: how long a round would take on the simulated deployment.
+"""The virtual clock: how long a round would take on the simulated deployment, and who
+can take part in it.
 
-With ``[system_model]`` on, every client has a device profile, drawn once from the seed
-(``profiles``): a speed multiplier of the reference step time and a downlink and uplink
-bandwidth (lognormal around the configured medians), plus a fixed latency. A client's
-participation then takes, from the round's start,
+With ``[system_model]`` on, every client has a device profile (``profiles``): drawn once
+from the seed (``"lognormal"``: a speed multiplier of the reference step time and a
+downlink and uplink bandwidth, lognormal around the configured medians, plus a fixed
+latency) or read from a table (``"file"``: ``profile_file``, a CSV with a header row or an
+.npz with the columns client, speed, down_mbps, up_mbps, latency; every client id of the
+population exactly once). A client's participation then takes, from the round's start,
 
     download = bytes_down * 8 / downlink + latency
     compute  = local steps * step_time / speed
@@ -22,22 +25,55 @@ how many they were. Round policies (``system_model.policy``):
   clients are selected (rounded up) and the first S to finish are kept; the round ends
   with the S-th.
 
-Ties are broken by client id. The virtual times are a pure function of (seed, round,
-profiles, sizes): the same for any number of ranks. Server work (aggregation) is given
-no time.
+Availability (``system_model.availability``, synchronous policies only): the server
+samples S_t among the clients available in round t only (``sample_available``: the
+round's ``clients.sampling`` over the available subset; all of them when fewer than it
+needs are available, nobody when none is: the round then trains nobody). A client is
+available in round t
+
+- ``always``: always (the default; the run is the same as without the field);
+- ``bernoulli``: with probability ``availability_p``, independently per round;
+- ``markov``: when its two-state on/off chain is on; the chain starts from its stationary
+  distribution and steps once a round (on -> off with ``p_on_off``, off -> on with
+  ``p_off_on``); the state is the clock's, replayed from round 0 on resume;
+- ``diurnal``: with probability clip(base + amplitude sin(2 pi (h + phase_c) / 24), 0, 1)
+  (``diurnal_base``, ``diurnal_amplitude``), h the round's start in virtual hours and
+  phase_c a per-client offset, uniform in [0, 24) hours, drawn from the seed;
+- ``trace``: when the round's start virtual time t0 lies in one of its intervals
+  start <= t0 < end of ``availability_file`` (rows client, start, end in virtual seconds;
+  a client without rows never is). A round whose start finds nobody available starts
+  when the next interval opens (the server waits, idle); after the last one, rounds are
+  empty.
+
+Mid-round dropout (``system_model.dropout``): each selected client drops out during its
+participation with this probability; it downloaded but never uploads, so it is decided at
+sampling, not trained, and counted with the dropped clients (as the deadline's late ones);
+the round's policy applies to those who stay (the server does not wait for the others).
+
+Every draw is keyed by (seed, round, client) through fedmpi.runtime.rng, vectorised over
+the whole population: the virtual times are a pure function of (seed, round, profiles,
+sizes), the same for any number of ranks. Ties are broken by client id. Server work
+(aggregation) is given no time.
 """
 
 from __future__ import annotations
 
+import csv
 import math
+import zipfile
+from pathlib import Path
 
 import numpy as np
 
+from ..errors import UsageError
+from .plan import sample_clients
 from .rng import numpy_rng
 
-PROFILES = ("off", "lognormal")
+PROFILES = ("off", "lognormal", "file")
 POLICIES = ("wait_all", "deadline", "overselect", "fedasync", "fedbuff")
+AVAILABILITY = ("always", "bernoulli", "markov", "diurnal", "trace")
 PROFILE_FIELDS = ("speed", "down_mbps", "up_mbps", "latency")
+TRACE_FIELDS = ("client", "start", "end")
 
 
 def draw_profiles(seed: int, num_clients: int, model) -> dict[str, np.ndarray]:
@@ -50,6 +86,266 @@ def draw_profiles(seed: int, num_clients: int, model) -> dict[str, np.ndarray]:
     up = model.up_mbps * np.exp(model.bandwidth_sigma * rng.standard_normal(num_clients))
     return {"speed": speed, "down_mbps": down, "up_mbps": up,
             "latency": np.full(num_clients, float(model.latency))}
+
+
+# ---- tables from files ----------------------------------------------------------------------
+
+def read_table(path, columns: tuple[str, ...], field: str) -> dict[str, np.ndarray]:
+    """The named ``columns`` of a user file as float64 arrays: a CSV with a header row
+    (columns in any order, others ignored) or an .npz with arrays of those names.
+    Anything wrong is a one-line UsageError naming ``field``."""
+    def bad(message: str) -> UsageError:
+        return UsageError(f"config field {field}: {message}")
+
+    if not isinstance(path, str) or not path:
+        raise bad(f"needs a file path (a .csv or .npz file with columns {', '.join(columns)})")
+    file = Path(path).expanduser()
+    if not file.exists():
+        raise bad(f"{path} does not exist")
+    if file.is_dir():
+        raise bad(f"{path} is a directory; give a .csv or .npz file")
+    suffix = file.suffix.lower()
+    if suffix not in (".csv", ".npz"):
+        raise bad(f"{path} is not a .csv or .npz file name")
+    try:
+        out = _read_npz(file, columns, bad) if suffix == ".npz" else _read_csv(file, columns, bad)
+    except UsageError:
+        raise
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, csv.Error) as exc:
+        detail = " ".join(str(exc).split()) or "no message"
+        raise bad(f"cannot read {path} ({type(exc).__name__}: {detail})") from None
+    if not len(out[columns[0]]):
+        raise bad(f"{path} has no rows")
+    return out
+
+
+def _read_csv(file: Path, columns, bad) -> dict[str, np.ndarray]:
+    with open(file, newline="", encoding="utf-8-sig") as f:
+        rows = [r for r in csv.reader(f) if any(x.strip() for x in r)]
+    if not rows:
+        raise bad(f"{file} is empty (it needs a header row: {','.join(columns)})")
+    header = [h.strip().lower() for h in rows[0]]
+    missing = [c for c in columns if c not in header]
+    if missing:
+        raise bad(f"{file} has no column {', '.join(missing)} (its header row: "
+                  f"{','.join(header)[:80]}; needed: {','.join(columns)})")
+    for line, r in enumerate(rows[1:], start=2):
+        if len(r) != len(header):
+            raise bad(f"{file} line {line} has {len(r)} fields, the header {len(header)}")
+    out = {}
+    for c in columns:
+        i = header.index(c)
+        values = [r[i].strip() for r in rows[1:]]
+        try:
+            out[c] = np.array(values, dtype=np.float64)
+        except ValueError:
+            line = next(n for n, v in enumerate(values, start=2) if not _is_number(v))
+            raise bad(f"{file} line {line}: {c} {values[line - 2][:40]!r} is not a number") from None
+    return out
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _read_npz(file: Path, columns, bad) -> dict[str, np.ndarray]:
+    if not zipfile.is_zipfile(file):
+        raise bad(f"{file} is not an .npz file (numpy.savez writes one)")
+    with np.load(file, allow_pickle=False) as z:
+        missing = [c for c in columns if c not in z.files]
+        if missing:
+            raise bad(f"{file} has no array {', '.join(missing)} (needed: {', '.join(columns)})")
+        out = {}
+        for c in columns:
+            a = z[c]
+            if a.ndim != 1 or a.dtype.kind not in "biuf":
+                raise bad(f"{file}: array {c} must be 1-D numbers, got {a.dtype} {a.shape}")
+            out[c] = a.astype(np.float64)
+    if len({len(a) for a in out.values()}) > 1:
+        raise bad(f"{file}: arrays {', '.join(columns)} differ in length")
+    return out
+
+
+def _client_ids(values: np.ndarray, file, field: str, num_clients: int | None,
+                unique: bool) -> np.ndarray:
+    """A table's client column as int64 ids: whole numbers >= 0, below ``num_clients``
+    when known, each once when ``unique``."""
+    ok = np.isfinite(values) & (values >= 0) & (values == np.round(values))
+    if not ok.all():
+        raise UsageError(f"config field {field}: {file}: client {values[~ok][0]} is not a "
+                         f"client id (a whole number >= 0)")
+    ids = values.astype(np.int64)
+    if num_clients is not None and ids.max() >= num_clients:
+        raise UsageError(f"config field {field}: {file}: client {ids.max()} is not in the "
+                         f"population of {num_clients} (ids 0..{num_clients - 1})")
+    if unique:
+        uniq, counts = np.unique(ids, return_counts=True)
+        if (counts > 1).any():
+            raise UsageError(f"config field {field}: {file}: client {uniq[counts > 1][0]} has "
+                             f"{counts[counts > 1][0]} rows (each client exactly once)")
+    return ids
+
+
+def read_profiles(path, num_clients: int | None = None) -> dict[str, np.ndarray]:
+    """``profiles = "file"``: the table of ``profile_file`` (``read_table``), values finite,
+    speed and bandwidths > 0, latency >= 0, each client once; with ``num_clients`` every
+    id 0..num_clients-1 exactly once, and the profiles come back in client order (as
+    ``draw_profiles``'s)."""
+    field = "system_model.profile_file"
+    t = read_table(path, ("client",) + PROFILE_FIELDS, field)
+    ids = _client_ids(t["client"], path, field, num_clients, unique=True)
+    for name in PROFILE_FIELDS:
+        v = t[name]
+        ok = np.isfinite(v) & ((v >= 0) if name == "latency" else (v > 0))
+        if not ok.all():
+            need = ">= 0" if name == "latency" else "> 0"
+            raise UsageError(f"config field {field}: {path}: client {ids[~ok][0]}'s {name} must "
+                             f"be a finite number {need}, got {v[~ok][0]}")
+    if num_clients is not None and len(ids) != num_clients:
+        missing = np.setdiff1d(np.arange(num_clients), ids)
+        raise UsageError(f"config field {field}: {path} has no row for client {missing[0]} "
+                         f"({len(missing)} of the {num_clients} clients missing; every id "
+                         f"0..{num_clients - 1} needs one)")
+    order = np.argsort(ids, kind="stable")
+    return {name: t[name][order] for name in PROFILE_FIELDS}
+
+
+def read_trace(path, num_clients: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``availability = "trace"``: (client, start, end) of ``availability_file``, in
+    virtual seconds: start finite, end > start (may be inf); clients below
+    ``num_clients`` when known; a client may have any number of intervals."""
+    field = "system_model.availability_file"
+    t = read_table(path, TRACE_FIELDS, field)
+    ids = _client_ids(t["client"], path, field, num_clients, unique=False)
+    start, end = t["start"], t["end"]
+    ok = np.isfinite(start) & ~np.isnan(end) & (end > start)
+    if not ok.all():
+        i = np.flatnonzero(~ok)[0]
+        raise UsageError(f"config field {field}: {path}: client {ids[i]}'s interval "
+                         f"[{start[i]}, {end[i]}) needs a finite start before its end")
+    return ids, start, end
+
+
+# ---- availability and dropout: masks keyed by (seed, round, client) -------------------------
+
+def bernoulli_mask(seed: int, round_: int, num_clients: int, p: float) -> np.ndarray:
+    """Each client available with probability ``p``, independently in every round."""
+    return numpy_rng(seed, "availability", round_).random(num_clients) < p
+
+
+def markov_stationary(p_on_off: float, p_off_on: float) -> float:
+    """The on/off chain's long-run share of rounds on."""
+    return p_off_on / (p_on_off + p_off_on)
+
+
+def markov_mask(seed: int, round_: int, num_clients: int, p_on_off: float, p_off_on: float,
+                state: np.ndarray | None = None, since: int = -1) -> np.ndarray:
+    """Every client's on/off state in round ``round_``: drawn from the stationary
+    distribution in round 0, then one step a round (round r's uniforms keyed by r). From
+    ``state``, the state of round ``since`` < ``round_``, only the rounds after it are
+    stepped; without it, all from round 0 (resume replays them: a pure function)."""
+    if state is None or since > round_ or since < 0:
+        state = numpy_rng(seed, "availability-markov", 0).random(num_clients) \
+            < markov_stationary(p_on_off, p_off_on)
+        since = 0
+    for r in range(since + 1, round_ + 1):
+        u = numpy_rng(seed, "availability-markov", r).random(num_clients)
+        state = np.where(state, u >= p_on_off, u < p_off_on)
+    return state
+
+
+def diurnal_phases(seed: int, num_clients: int) -> np.ndarray:
+    """Each client's offset of the day, hours, uniform in [0, 24)."""
+    return numpy_rng(seed, "availability-phase").uniform(0.0, 24.0, num_clients)
+
+
+def diurnal_probability(phases: np.ndarray, now: float, base: float,
+                        amplitude: float) -> np.ndarray:
+    """clip(base + amplitude sin(2 pi (now / 3600 + phase) / 24), 0, 1) for every client."""
+    hours = now / 3600.0 + phases
+    return np.clip(base + amplitude * np.sin(2 * np.pi * hours / 24.0), 0.0, 1.0)
+
+
+def diurnal_mask(seed: int, round_: int, phases: np.ndarray, now: float, base: float,
+                 amplitude: float) -> np.ndarray:
+    p = diurnal_probability(phases, now, base, amplitude)
+    return numpy_rng(seed, "availability", round_).random(len(phases)) < p
+
+
+def trace_mask(trace, num_clients: int, now: float) -> np.ndarray:
+    """The clients with an interval start <= now < end."""
+    client, start, end = trace
+    mask = np.zeros(num_clients, dtype=bool)
+    mask[client[(start <= now) & (now < end)]] = True
+    return mask
+
+
+def dropout_mask(seed: int, round_: int, clients: np.ndarray, num_clients: int,
+                 p: float) -> np.ndarray:
+    """Which of the selected ``clients`` drop out in round ``round_`` (probability ``p``
+    each; client c's draw is the c-th of the round's stream, whoever else is selected)."""
+    return numpy_rng(seed, "dropout", round_).random(num_clients)[np.asarray(clients)] < p
+
+
+class Availability:
+    """Who can be sampled: round t's mask over the client identities (``model``: the
+    SystemModelConfig; ``availability`` other than "always"; ``trace``: (client, start,
+    end) arrays instead of ``availability_file``'s). Keeps the Markov chain's state of the
+    last round asked for (any other round is replayed from round 0)."""
+
+    def __init__(self, model, seed: int, num_clients: int, trace=None):
+        self.model, self.seed, self.num_clients = model, seed, num_clients
+        self.kind = model.availability
+        self.phases = diurnal_phases(seed, num_clients) if self.kind == "diurnal" else None
+        if self.kind == "trace" and trace is None:
+            trace = read_trace(model.availability_file, num_clients)
+        self.trace = trace
+        self._markov = (None, -1)   # (state, round)
+
+    def mask(self, round_: int, now: float) -> np.ndarray:
+        """Round ``round_``'s available clients; ``now``: its start, virtual seconds."""
+        m, n = self.model, self.num_clients
+        if self.kind == "bernoulli":
+            return bernoulli_mask(self.seed, round_, n, m.availability_p)
+        if self.kind == "markov":
+            state, since = self._markov
+            state = markov_mask(self.seed, round_, n, m.p_on_off, m.p_off_on, state, since)
+            self._markov = (state, round_)
+            return state
+        if self.kind == "diurnal":
+            return diurnal_mask(self.seed, round_, self.phases, now, m.diurnal_base,
+                                m.diurnal_amplitude)
+        if self.kind == "trace":
+            return trace_mask(self.trace, n, now)
+        raise ValueError(f"availability {self.kind!r}: choose from {AVAILABILITY}")
+
+    def next_opening(self, now: float) -> float | None:
+        """trace: the first interval start after ``now`` (None: there is none)."""
+        start = self.trace[1]
+        later = start[start > now]
+        return float(later.min()) if len(later) else None
+
+
+def sample_available(seed: int, round_: int, pool: np.ndarray, per_round: int,
+                     sampling: str = "uniform", sizes: np.ndarray | None = None,
+                     empty: str = "redraw") -> np.ndarray:
+    """S_t among the available slots ``pool`` (ascending): ``plan.sample_clients`` over
+    them, keyed by (seed, round), with the drawn indices mapped back to slots. Fewer
+    available than ``per_round`` (for ``size``: fewer with data): all of them; none: an
+    empty round."""
+    pool = np.asarray(pool, dtype=np.int64)
+    k = min(per_round, len(pool))
+    sub = None
+    if sampling == "size":
+        sub = np.asarray(sizes)[pool]
+        k = min(k, int(np.count_nonzero(sub)))
+    if not k:
+        return np.zeros(0, dtype=np.int64)
+    return pool[sample_clients(seed, round_, len(pool), k, sampling, sizes=sub, empty=empty)]
 
 
 def durations(clients: np.ndarray, steps: np.ndarray, bytes_down: float, bytes_up: float,
@@ -88,14 +384,20 @@ def schedule(clients: np.ndarray, times: np.ndarray, policy: str, per_round: int
 
 
 class VirtualClock:
-    """The server's virtual time: profiles, the current time, and each round's schedule."""
+    """The server's virtual time: profiles, availability, the current time, and each
+    round's schedule."""
 
-    def __init__(self, config, alg, d: int, wire_bytes: int, steps: np.ndarray):
+    def __init__(self, config, message_bytes: tuple[int, int], steps: np.ndarray):
         self.model = config.system_model
+        self.seed = config.seed
         # one device per client identity (a dynamic population has more than clients.num)
-        self.profiles = draw_profiles(config.seed, len(steps), self.model)
-        down, up = alg.traffic(d, alg.phases[0])
-        self.bytes_down, self.bytes_up = down * wire_bytes, up * wire_bytes
+        num = len(steps)
+        self.profiles = read_profiles(self.model.profile_file, num) \
+            if self.model.profiles == "file" else draw_profiles(config.seed, num, self.model)
+        self.availability = Availability(self.model, config.seed, num) \
+            if self.model.availability != "always" else None
+        # a participation's bytes: the FL ledger's, at the codecs' encoded sizes
+        self.bytes_down, self.bytes_up = message_bytes
         self.steps = np.asarray(steps) * config.train.local_epochs   # local steps per client
         self.per_round = config.clients.per_round
         self.now = 0.0   # seconds since the run's start, at the end of the last round
@@ -106,21 +408,45 @@ class VirtualClock:
         return durations(clients, self.steps, self.bytes_down, self.bytes_up, self.profiles,
                          self.model.step_time)
 
-    def round(self, clients: np.ndarray) -> dict:
+    def available(self, round_: int) -> np.ndarray | None:
+        """Round ``round_``'s mask of available client identities, at its start (``now``);
+        None with ``availability = "always"``. A trace round that finds nobody waits for
+        the next interval to open: ``now`` moves there."""
+        if self.availability is None:
+            return None
+        mask = self.availability.mask(round_, self.now)
+        if self.availability.kind == "trace" and not mask.any():
+            opening = self.availability.next_opening(self.now)
+            if opening is not None:
+                self.now = opening
+                mask = self.availability.mask(round_, self.now)
+        return mask
+
+    def round(self, clients: np.ndarray, round_: int, n_available: int) -> dict:
         """Round plan for the selected ``clients``: who is kept, their start and end times,
-        the dropped count and bytes, and the clock after the round."""
+        the dropped count and bytes (late, not among the first S, or dropped out), and the
+        clock after the round. ``n_available``: how many clients the draw had to choose
+        from (recorded)."""
         times = durations(clients, self.steps[clients], self.bytes_down, self.bytes_up,
                           self.profiles, self.model.step_time)
-        keep, length = schedule(clients, times, self.model.policy, self.per_round,
-                                self.model.deadline)
+        if self.model.dropout:   # who drops out never uploads: the policy times the others
+            stay = ~dropout_mask(self.seed, round_, clients, len(self.steps), self.model.dropout)
+            kept, length = schedule(clients[stay], times[stay], self.model.policy,
+                                    self.per_round, self.model.deadline)
+            keep = np.zeros(len(clients), dtype=bool)
+            keep[stay] = kept
+        else:
+            keep, length = schedule(clients, times, self.model.policy, self.per_round,
+                                    self.model.deadline)
         start = self.now
         self.now = start + length
         return {"keep": keep, "start": start, "end": start + times, "now": self.now,
                 "n_dropped": int((~keep).sum()),
-                "dropped_bytes_down": float((~keep).sum() * self.bytes_down)}
+                "dropped_bytes_down": float((~keep).sum() * self.bytes_down),
+                "n_available": int(n_available)}
 
 
-ROUND_FIELDS = ["virtual_time", "n_dropped", "dropped_bytes_down"]
+ROUND_FIELDS = ["virtual_time", "n_dropped", "dropped_bytes_down", "n_available"]
 CLIENT_FIELDS = ["vt_start", "vt_end"]
 
 
@@ -132,4 +458,4 @@ def virtual_columns(plan: dict, clients: dict) -> dict[str, float]:
     clients["vt_start"] = np.full(len(ends), plan["start"])
     clients["vt_end"] = ends
     return {"virtual_time": plan["now"], "n_dropped": plan["n_dropped"],
-            "dropped_bytes_down": plan["dropped_bytes_down"]}
+            "dropped_bytes_down": plan["dropped_bytes_down"], "n_available": plan["n_available"]}

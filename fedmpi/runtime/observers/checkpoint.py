@@ -21,4 +21,4 @@ def save(exp, completed: int) -> None:
     if exp.asynchronous is not None:   # the model versions its clients in flight train on
         server.update(exp.asynchronous.state_dict())
     exp.writer.write_checkpoint(completed, server, exp.store.items(),
-                                exp.alg.client_state_sizes(exp.d), exp.split.num_identities)
+                                exp.state_sizes(), exp.split.num_identities)
