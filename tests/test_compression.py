@@ -265,3 +265,40 @@ def test_the_virtual_clock_times_the_encoded_messages(tmp_path):
         expected = clients["bytes_down"] * 8 / (down[c] * 1e6) + lat[c] + \
             clients["steps"] * 0.05 / speed[c] + clients["bytes_up"] * 8 / (up[c] * 1e6) + lat[c]
         np.testing.assert_allclose(clients["vt_end"] - clients["vt_start"], expected, rtol=1e-12)
+
+
+def test_report_and_plot_show_the_compressed_upload(tmp_path):
+    """report: up MB and MB/round by default once a run compresses, equal to the file's
+    sums; plot --x upload: accuracy against the cumulative uploaded MB."""
+    import csv
+    import io
+
+    from click.testing import CliRunner
+    from matplotlib.figure import Figure
+
+    from fedmpi import analysis as fa
+    from fedmpi.analysis.cli import commands
+
+    over = dict(rounds=2, system={"threads": 1})
+    run(tmp_path, "plain", **over).close()
+    run(tmp_path, "sign", **over, compression={"up": "sign", "error_feedback": True}).close()
+    paths = [str(tmp_path / "plain.h5"), str(tmp_path / "sign.h5")]
+    result = CliRunner().invoke(commands, ["report", *paths, "--format", "csv"])
+    assert result.exit_code == 0, result.output
+    rows = {row["compression.up"]: row for row in csv.DictReader(io.StringIO(result.stdout))}
+    for up, path in (("none", paths[0]), ("sign", paths[1])):
+        with RunFile(path) as r:
+            rounds = r.rounds()
+        assert float(rows[up]["upload_mb_mean"]) == pytest.approx(rounds["fl_bytes_up"].sum() / 1e6)
+        total = rounds["fl_bytes_up"].sum() + rounds["fl_bytes_down"].sum()
+        assert float(rows[up]["mb_per_round_mean"]) == pytest.approx(total / 2 / 1e6)
+    assert float(rows["sign"]["upload_mb_mean"]) < float(rows["none"]["upload_mb_mean"]) / 25
+    plain = CliRunner().invoke(commands, ["report", paths[0], paths[0]])
+    assert "up MB" not in plain.stdout   # nobody compresses: the default columns stay
+    ax = Figure().add_subplot()
+    fa.plot_accuracy(fa.load(paths[1]), ax, x="upload")
+    with RunFile(paths[1]) as r:
+        rounds = r.rounds()
+    xs, _ = ax.get_lines()[0].get_data()
+    np.testing.assert_allclose(xs, np.cumsum(rounds["fl_bytes_up"])[np.isfinite(rounds["test_acc"])] / 1e6)
+    assert ax.get_xlabel() == "cumulative FL upload (MB)"

@@ -39,8 +39,9 @@ def _grouping(command):
               help="Rounds to reach this accuracy: 0.8 or 80% (repeatable).")
 @click.option("--format", "fmt", metavar="text|csv|markdown", help="Output format (default text).")
 @click.option("--columns", multiple=True, metavar="LIST",
-              help="Columns to show, comma-separated: acc,final,best,rounds,hours,traffic,time,"
-                   "vtime,kappa,rho,probes (hours, vtime: runs with the virtual clock).")
+              help="Columns to show, comma-separated: acc,final,best,rounds,hours,traffic,upload,"
+                   "per_round,time,vtime,kappa,rho,probes (hours, vtime: runs with the virtual "
+                   "clock; upload: MB uploaded; per_round: MB down + up per round).")
 @click.option("--completed-only", is_flag=True, help="Leave out runs that did not complete.")
 @click.option("--summary", is_flag=True, help="A summary per run instead of a table.")
 @one_line_errors
@@ -70,9 +71,10 @@ def report(sources, strict, group_by, smooth, at, target, fmt, columns, complete
 @_sources
 @_grouping
 @click.option("-o", "--output", metavar="FILE", help="Figure file: .png (or .pdf, .svg).")
-@click.option("--x", "x_axis", default="round", metavar="round|traffic|time|vtime",
-              help="x axis: round, cumulative FL traffic (MB), wall time (s) or virtual time (h, "
-                   "runs with system_model.profiles on); default round.")
+@click.option("--x", "x_axis", default="round", metavar="round|traffic|upload|time|vtime",
+              help="x axis: round, cumulative FL traffic (MB), cumulative upload (MB, what "
+                   "compression cuts), wall time (s) or virtual time (h, runs with "
+                   "system_model.profiles on); default round.")
 @click.option("--title", help="Figure title (default: the settings all runs share).")
 @click.option("--spectrum", is_flag=True,
               help="Plot the feature spectrum of self-supervised runs instead (/eval: the top "

@@ -120,6 +120,27 @@ def cumulative_traffic_mb(run) -> np.ndarray:
     return np.cumsum(total) / MB
 
 
+def upload_mb(run) -> float:
+    """FL bytes up over all rounds, in MB: what compression (``[compression] up``) cuts."""
+    column = _rounds(run).get("fl_bytes_up")
+    if column is None or not np.any(np.isfinite(column)):
+        return math.nan
+    return float(np.nansum(column)) / MB
+
+
+def cumulative_upload_mb(run) -> np.ndarray:
+    """FL MB uploaded up to and including each round (0 at round 0)."""
+    rows = _rounds(run)
+    column = rows.get("fl_bytes_up", np.zeros(len(rows.get("round", ()))))
+    return np.cumsum(np.nan_to_num(column, nan=0.0)) / MB
+
+
+def traffic_per_round_mb(run) -> float:
+    """FL MB (down + up) per round that trained (round 0 excluded); NaN without any."""
+    trained = last_round(run)
+    return total_traffic_mb(run) / trained if trained else math.nan
+
+
 def wall_time(run) -> float:
     """Seconds: the sum of the rounds' wall times; NaN if never recorded."""
     column = _rounds(run).get("time_wall")
@@ -204,7 +225,7 @@ def summary(run, at=(), targets=(), smooth: float | None = None) -> dict:
     """Every per-run number in one flat dict (the columns of ``runs_table``).
 
     Keys: rounds_done, final_acc, best_acc, acc@R per ``at``, rounds_to_T per ``targets``
-    (None if never reached), traffic_mb, time_s, kappa, rho, and the probes of a
+    (None if never reached), traffic_mb, upload_mb, mb_per_round, time_s, kappa, rho, and the probes of a
     self-supervised run (``probe_results``). A run with the virtual clock adds
     hours_to_T per ``targets`` (None if never reached) and virtual_h.
     """
@@ -213,7 +234,9 @@ def summary(run, at=(), targets=(), smooth: float | None = None) -> dict:
            "best_acc": best_accuracy(run, smooth)}
     out.update({f"acc@{r}": accuracy_at(run, r, smooth) for r in at})
     out.update({f"rounds_to_{target_name(t)}": rounds_to(run, t, smooth) for t in targets})
-    out.update(traffic_mb=total_traffic_mb(run), time_s=wall_time(run), kappa=kappa(run), rho=rho(run))
+    out.update(traffic_mb=total_traffic_mb(run), upload_mb=upload_mb(run),
+               mb_per_round=traffic_per_round_mb(run), time_s=wall_time(run), kappa=kappa(run),
+               rho=rho(run))
     if has_virtual_clock(run):
         out.update({f"hours_to_{target_name(t)}": hours_to(run, t, smooth) for t in targets})
         out["virtual_h"] = virtual_hours(run)

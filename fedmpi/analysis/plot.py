@@ -26,7 +26,8 @@ from fedmpi.analysis.render import key_header, value
 from fedmpi.analysis.tables import check_keys, differing_keys
 from fedmpi.errors import UsageError
 
-X_AXES = {"round": "round", "traffic": "cumulative FL traffic (MB)", "time": "wall time (s)",
+X_AXES = {"round": "round", "traffic": "cumulative FL traffic (MB)",
+          "upload": "cumulative FL upload (MB)", "time": "wall time (s)",
           "vtime": "virtual time (h)"}
 
 
@@ -165,6 +166,8 @@ def _x_values(run, x: str) -> np.ndarray:
     virtual clock in hours."""
     if x == "traffic":
         return metrics.cumulative_traffic_mb(run)
+    if x == "upload":
+        return metrics.cumulative_upload_mb(run)
     if x == "time":
         return metrics.cumulative_time(run)
     if x == "vtime":

@@ -141,7 +141,9 @@ def _traffic(rounds: dict) -> list[tuple[str, str]]:
     if down is not None or up is not None:
         total = (down or 0) + (up or 0)
         split = f": {_mb(down or 0)} down, {_mb(up or 0)} up"
-        lines.append(("FL traffic", f"{_mb(total)} ({total} bytes){split}"))
+        trained = int(np.sum(np.asarray(rounds.get("round", ())) > 0))
+        per_round = f"; {_mb(total / trained)} a round" if trained else ""
+        lines.append(("FL traffic", f"{_mb(total)} ({total} bytes){split}{per_round}"))
     mpi = _total(rounds, "mpi_bytes")
     if mpi is not None:
         lines.append(("MPI traffic", f"{_mb(mpi)} ({mpi} bytes)"))
@@ -192,9 +194,10 @@ def _virtual(rounds: dict) -> list[tuple[str, str]]:
 
 # --columns choices, in display order; acc needs --at, rounds and hours need --target,
 # hours and vtime a run with the virtual clock.
-COLUMNS = ("acc", "final", "best", "rounds", "hours", "traffic", "time", "vtime", "kappa", "rho",
-           "probes")
-_NUMBER_COLUMNS = {"traffic": ("traffic_mb", "traffic MB"), "time": ("time_s", "time s"),
+COLUMNS = ("acc", "final", "best", "rounds", "hours", "traffic", "upload", "per_round", "time",
+           "vtime", "kappa", "rho", "probes")
+_NUMBER_COLUMNS = {"traffic": ("traffic_mb", "traffic MB"), "upload": ("upload_mb", "up MB"),
+                   "per_round": ("mb_per_round", "MB/round"), "time": ("time_s", "time s"),
                    "kappa": ("kappa", "kappa"), "rho": ("rho", "rho")}
 _NO_CLOCK = "set system_model.profiles = \"lognormal\" to run with one"
 
@@ -209,7 +212,8 @@ def report_table(runs, group_by=None, at=(), targets=(), smooth=None, columns=No
     rows = group_table(runs, keys, at, targets, smooth)
     probes = sorted((k[:-len("_mean")] for k in (rows[0] if rows else {})
                      if k.endswith("_mean") and _is_probe(k[:-len("_mean")])), key=_probe_order)
-    chosen = _choose(columns, at, targets, bool(probes), any(has_virtual_clock(run) for run in runs))
+    chosen = _choose(columns, at, targets, bool(probes), any(has_virtual_clock(run) for run in runs),
+                     any(_compressed(run) for run in runs))
     specs = _metric_specs(chosen, at, targets, probes)
     if fmt == "csv":
         return render.csv_table(rows, keys + ["status", "n"] + [f for spec in specs for f in spec[2]])
@@ -237,11 +241,20 @@ def _probe_order(name: str) -> tuple:
     return (0 if name == "linear_acc" else 2, 0.0)
 
 
-def _choose(columns, at, targets, probes: bool = False, clock: bool = False) -> list[str]:
-    """Chosen columns in display order; by default everything the options give numbers for."""
+def _compressed(run) -> bool:
+    """Whether the run's config compresses a message (``[compression]``)."""
+    section = (run.config or {}).get("compression") or {}
+    return section.get("up", "none") != "none" or section.get("down", "none") != "none"
+
+
+def _choose(columns, at, targets, probes: bool = False, clock: bool = False,
+            compressed: bool = False) -> list[str]:
+    """Chosen columns in display order; by default everything the options give numbers for
+    (upload and per_round when a run compresses its messages)."""
     if not columns:
         return [c for c in COLUMNS if (c != "acc" or at) and (c not in ("rounds", "hours") or targets)
-                and (c != "probes" or probes) and (c not in ("hours", "vtime") or clock)]
+                and (c != "probes" or probes) and (c not in ("hours", "vtime") or clock)
+                and (c not in ("upload", "per_round") or compressed)]
     unknown = [c for c in columns if c not in COLUMNS]
     if unknown:
         raise UsageError(f"--columns: unknown column {unknown[0]!r}; allowed: {', '.join(COLUMNS)}")
@@ -325,6 +338,8 @@ def _notes(chosen, smooth, show_status) -> str:
                      "round whose accuracy reaches x, mean over the runs that reached it (reached/n); "
                      "- without the clock")
     units = [text for name, text in (("traffic", "traffic: FL MB (10^6 bytes) down + up"),
+                                     ("upload", "up MB: FL MB uploaded"),
+                                     ("per_round", "MB/round: FL MB down + up per trained round"),
                                      ("time", "time: sum of round wall times (s)"),
                                      ("vtime", "virtual h: the run's virtual time in hours"),
                                      ("kappa", "kappa = acc*1e4/time"),
