@@ -189,6 +189,7 @@ def test_deadline_run_is_bitwise_the_same_for_1_and_3_ranks(tmp_path):
     ({"profiles": "trace"}, "system_model.profiles: 'trace' is not allowed"),
     ({"profiles": "lognormal", "policy": "async"}, "system_model.policy: 'async' is not allowed"),
     ({"profiles": "lognormal", "speed_sigma": math.inf}, "system_model.speed_sigma: must be a finite"),
+    ({"measure_step_time": True}, "system_model.measure_step_time: runs on the virtual clock"),
 ])
 def test_bad_system_model_is_a_one_line_error(section, message):
     with pytest.raises(UsageError) as err:
@@ -211,3 +212,35 @@ def test_refusal_through_the_cli_exits_2(tmp_path):
     proc = fedmpi(["run", "-q", str(config), "-o", str(tmp_path / "never.h5")])
     assert proc.returncode == 2 and not (tmp_path / "never.h5").exists()
     assert "system_model.up_mbps" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_a_measured_step_time_is_stored_and_a_resume_keeps_it(tmp_path):
+    """measure_step_time: the first worker times this model's local steps; the file keeps
+    the value, the clock runs on it, training is untouched, and a resume takes the file's
+    value instead of measuring again (so its virtual times continue the run's)."""
+    values = merged(TINY, rounds=4, system={"threads": 1, "checkpoint_every": 2},
+                    system_model={**LOGNORMAL, "measure_step_time": True})
+    values["output"] = str(tmp_path / "ref.h5")
+    run_experiment(cfg.from_dict(values), LocalComm(), quiet=True)
+    with RunFile(tmp_path / "ref.h5") as r, run(tmp_path, "given", system={"threads": 1},
+                                                rounds=4, system_model=LOGNORMAL) as given:
+        step = float(r.attrs["step_time"])
+        assert r.attrs["step_time_measured"] and 0 < step < 1 and step != 0.05
+        assert given.attrs["step_time"] == 0.05 and not given.attrs["step_time_measured"]
+        assert np.array_equal(r.model(), given.model())
+        clients, part = r.clients(), r.partition()
+        c = clients["client"].astype(int)
+        compute = clients["steps"] * step / part["device_speed"][c]
+        np.testing.assert_allclose(clients["vt_end"] - clients["vt_start"] - compute,
+                                   given.clients()["vt_end"] - given.clients()["vt_start"]
+                                   - clients["steps"] * 0.05 / part["device_speed"][c], rtol=1e-9)
+    crashed = tmp_path / "crashed.h5"
+    crashed.write_bytes((tmp_path / "ref.h5").read_bytes())
+    with h5py.File(crashed, "r+") as f:   # died after round 3 was flushed: resume from 2
+        f.attrs["status"] = "running"
+        del f["model/final"]
+    values["output"] = str(crashed)
+    exp = run_experiment(cfg.from_dict(values), LocalComm(), quiet=True, resume=True)
+    assert exp.start == 2 and exp.clock.step_time == step
+    with RunFile(tmp_path / "ref.h5") as a, RunFile(crashed) as b:
+        assert np.array_equal(a.rounds()["virtual_time"], b.rounds()["virtual_time"])

@@ -153,6 +153,8 @@ class SystemModelConfig:
                                        # client, speed, down_mbps, up_mbps, latency; every
                                        # client id 0..N-1 of the population exactly once
     step_time: float = 0.05            # seconds one local step takes at speed 1
+    measure_step_time: bool = False    # true: time the model's local steps at start-up on the
+                                       # first worker's device instead (stored in the file)
     speed_sigma: float = 1.0           # lognormal sigma of the per-client speed (median 1)
     down_mbps: float = 20.0            # median downlink, Mbit/s
     up_mbps: float = 5.0               # median uplink, Mbit/s

@@ -184,7 +184,8 @@ def _validate_system_model(c: ExperimentConfig) -> None:
         if m.policy != "wait_all":
             raise field_error("system_model.policy", f"{m.policy!r} times the clients: set "
                                                      f"system_model.profiles = \"lognormal\"")
-        for name, on in (("availability", m.availability != "always"), ("dropout", m.dropout)):
+        for name, on in (("availability", m.availability != "always"), ("dropout", m.dropout),
+                         ("measure_step_time", m.measure_step_time)):
             if on:
                 raise field_error(f"system_model.{name}", "runs on the virtual clock: set "
                                                           "system_model.profiles = \"lognormal\" "

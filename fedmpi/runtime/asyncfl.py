@@ -115,20 +115,24 @@ class AsyncSchedule:
 class AsyncServer:
     """The server's half of asynchronous FL: the schedule, the model versions its clients
     in flight train on, and each step's ``Versions`` for the phase (fedmpi.runtime.phase).
-    ``durations``: every client's seconds per participation (``VirtualClock``)."""
+    ``clock``: the ``VirtualClock`` whose participation times the schedule follows."""
 
-    def __init__(self, config, durations: np.ndarray):
+    def __init__(self, config, clock):
         m = config.system_model
         self.mode, self.kind, self.exponent, self.mixing = \
             m.policy, m.staleness, m.staleness_exponent, m.mixing
-        C = concurrency(config)
-        self.schedule = AsyncSchedule(config.seed, durations, C,
-                                      1 if m.policy == "fedasync" else m.buffer or C)
+        self.seed, self.clock, self.concurrency = config.seed, clock, concurrency(config)
+        self.buffer = 1 if m.policy == "fedasync" else m.buffer or self.concurrency
+        self.schedule: AsyncSchedule | None = None   # built by ``replay``
         self.models: dict[int, torch.Tensor] = {}   # version -> x, for the clients in flight
         self.arrivals: list[Arrival] = []
 
     def replay(self, steps: int) -> None:
-        """Resume: the schedule after ``steps`` server steps (a pure function of the seed)."""
+        """The schedule after ``steps`` server steps (0: a fresh run; a resume replays, as
+        the schedule is a pure function of the seed and the clock's times, which a resume
+        may have set from the file)."""
+        self.schedule = AsyncSchedule(self.seed, self.clock.durations(), self.concurrency,
+                                      self.buffer)
         for _ in range(steps):
             self.schedule.step()
 

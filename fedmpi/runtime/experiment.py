@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from .. import algorithms, signals
-from ..algorithms import group_sgd
+from ..algorithms import group_sgd, local_sgd
 from ..config.validate import group_refusal
 from ..errors import UsageError
 from ..results.writer import FileReplacedError
@@ -102,13 +102,17 @@ class Experiment:
             group_sgd.warm_up()
         self.ranks = comm.gather_obj(rank_info(comm, world), count=False)
         self.codecs = Compression(cfg, self.alg, self.d)
+        measured = self._measure_step_time() if cfg.system_model.profiles != "off" and \
+            cfg.system_model.measure_step_time and not self.resume else None   # a resume: the file's
         self.clock = VirtualClock(cfg, self.codecs.message_bytes(self.d, self.alg.phases[0]),
                                   self.steps) \
             if comm.is_server and cfg.system_model.profiles != "off" else None
+        if measured is not None and self.clock is not None:
+            self.clock.step_time = measured
         self.vplan = None   # the server's virtual-clock plan of the current round
         self.asynchronous = None   # the server's FedAsync/FedBuff schedule and versions
         if self.clock is not None and cfg.system_model.policy in ASYNC_MODES:
-            self.asynchronous = AsyncServer(cfg, self.clock.durations())
+            self.asynchronous = AsyncServer(cfg, self.clock)
         if comm.is_server:
             self.eval_batch = eval_batch_size(cfg.eval.batch_size, [r["device"] for r in self.ranks])
             self.state = self.alg.init_server_state(self.flat.params.detach().cpu().clone())
@@ -133,6 +137,29 @@ class Experiment:
     def state_sizes(self) -> dict[str, int]:
         """Each client's persistent state: the algorithm's and the codecs' error feedback."""
         return {**self.alg.client_state_sizes(self.d), **self.codecs.state_sizes()}
+
+    def _measure_step_time(self) -> float | None:
+        """``system_model.measure_step_time``: seconds a local step of this model and batch
+        size takes on the first worker's device, measured on the client of median size
+        (one local update to warm up, one timed); the server's value, None elsewhere."""
+        cfg, comm = self.config, self.comm
+        seconds = None
+        if comm.is_worker and comm.worker_index == 0:
+            c = int(np.argsort(self.steps, kind="stable")[len(self.steps) // 2])
+            ctx = round_context(cfg, 0, self.alg.phases[0], [c])
+            x = self.flat.params.detach().clone()
+            with numerics(self.device, cfg.system.precision, cfg.system.deterministic):
+                for timed in (False, True):
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize(self.device)
+                    t0 = time.perf_counter()
+                    upload = local_sgd.local_update(self._task(c, ctx, 0), x, ctx)
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize(self.device)
+                    seconds = (time.perf_counter() - t0) / max(upload.steps, 1)
+            self.flat.load(x)
+        measured = [s for s in comm.gather_obj(seconds, count=False) or [] if s is not None]
+        return measured[0] if comm.is_server else None
 
     def _client_group(self) -> int:
         """``system.client_group`` resolved, the same on every rank ("auto": 1 where groups

@@ -38,6 +38,8 @@ def create_file(exp, dataset, ranks) -> bool:
     round_fields = ROUND_FIELDS + list(exp.alg.diagnostic_fields)
     clients = client_fields(exp.alg, exp.d)
     if exp.clock is not None:   # the devices under /partition, the clock's columns
+        provenance.update(step_time=exp.clock.step_time,
+                          step_time_measured=bool(cfg.system_model.measure_step_time))
         partition.update({f"device_{k}": v for k, v in exp.clock.profiles.items()})
         round_fields += vclock.ROUND_FIELDS
         clients += vclock.CLIENT_FIELDS
@@ -65,10 +67,13 @@ def resume_file(exp, ranks) -> bool:
         if ckpt is not None:
             load_checkpoint(exp, ckpt)
         history = list(run.attrs.get("resumes", []))
+        attrs = dict(run.attrs)
         rounds = run.rounds()
         evaluated = bool(np.any(rounds["round"] == 0))
     if exp.clock is not None and exp.start:   # the virtual time the checkpoint's round ended at
         exp.clock.now = float(rounds["virtual_time"][rounds["round"] == exp.start][-1])
+    if exp.clock is not None and "step_time" in attrs:   # a measured one is the file's
+        exp.clock.step_time = float(attrs["step_time"])
     if not np.array_equal(stored["client_offsets"], exp.split.offsets) or \
             not np.array_equal(stored["client_indices"], exp.split.indices):
         raise UsageError(f"--resume {path}: this fedmpi computes a different client partition "

@@ -398,6 +398,7 @@ class VirtualClock:
             if self.model.availability != "always" else None
         # a participation's bytes: the FL ledger's, at the codecs' encoded sizes
         self.bytes_down, self.bytes_up = message_bytes
+        self.step_time = self.model.step_time   # or the one measured at start-up
         self.steps = np.asarray(steps) * config.train.local_epochs   # local steps per client
         self.per_round = config.clients.per_round
         self.now = 0.0   # seconds since the run's start, at the end of the last round
@@ -406,7 +407,7 @@ class VirtualClock:
         """Every client's seconds per participation (asynchronous FL's schedule)."""
         clients = np.arange(len(self.steps))
         return durations(clients, self.steps, self.bytes_down, self.bytes_up, self.profiles,
-                         self.model.step_time)
+                         self.step_time)
 
     def available(self, round_: int) -> np.ndarray | None:
         """Round ``round_``'s mask of available client identities, at its start (``now``);
@@ -428,7 +429,7 @@ class VirtualClock:
         clock after the round. ``n_available``: how many clients the draw had to choose
         from (recorded)."""
         times = durations(clients, self.steps[clients], self.bytes_down, self.bytes_up,
-                          self.profiles, self.model.step_time)
+                          self.profiles, self.step_time)
         if self.model.dropout:   # who drops out never uploads: the policy times the others
             stay = ~dropout_mask(self.seed, round_, clients, len(self.steps), self.model.dropout)
             kept, length = schedule(clients[stay], times[stay], self.model.policy,
