@@ -44,3 +44,24 @@ def write_config(path: Path, base=TINY, **sections) -> Path:
     """TINY with some sections/keys replaced, written as TOML."""
     path.write_text(to_toml(merged(base, **sections)))
     return path
+
+
+def run_and_resume(values: dict, tmp_path: Path):
+    """Run ``values`` to ``tmp_path / "ref.h5"``; copy the file as if the process had died
+    after its last round was flushed (status running, no final model) and resume the
+    copy from its checkpoint. Returns (the copy's path, the resumed Experiment)."""
+    import h5py
+
+    from fedmpi import config
+    from fedmpi.comm import LocalComm
+    from fedmpi.runtime import run_experiment
+
+    ref, crashed = tmp_path / "ref.h5", tmp_path / "crashed.h5"
+    run_experiment(config.from_dict({**values, "output": str(ref)}), LocalComm(), quiet=True)
+    crashed.write_bytes(ref.read_bytes())
+    with h5py.File(crashed, "r+") as f:
+        f.attrs["status"] = "running"
+        del f["model/final"]
+    exp = run_experiment(config.from_dict({**values, "output": str(crashed)}), LocalComm(),
+                         quiet=True, resume=True)
+    return crashed, exp

@@ -4,7 +4,6 @@ flight, any number of ranks, and what is refused at config time."""
 
 import sys
 
-import h5py
 import numpy as np
 import pytest
 
@@ -16,7 +15,7 @@ from fedmpi.runtime import run_experiment
 from fedmpi.runtime.asyncfl import AsyncSchedule, staleness_weight
 
 from conftest import mpirun, needs_mpi
-from helpers import TINY, merged, write_config
+from helpers import TINY, merged, run_and_resume, write_config
 
 CLOCK = {"profiles": "lognormal", "step_time": 0.05}
 EQUAL = {**CLOCK, "speed_sigma": 0.0, "bandwidth_sigma": 0.0}   # every client the same device
@@ -119,15 +118,7 @@ def test_fedbuff_rows_and_staleness(tmp_path):
 def test_resume_with_clients_in_flight_is_bitwise_the_uninterrupted_run(tmp_path):
     values = merged(TINY, rounds=6, system={"deterministic": True, "checkpoint_every": 2},
                     system_model={**CLOCK, "policy": "fedbuff", "concurrency": 5, "buffer": 2})
-    values["output"] = str(tmp_path / "ref.h5")
-    run_experiment(cfg.from_dict(values), LocalComm(), quiet=True)
-    crashed = tmp_path / "crashed.h5"
-    crashed.write_bytes((tmp_path / "ref.h5").read_bytes())
-    with h5py.File(crashed, "r+") as f:   # died after round 5 was flushed: resume from 4
-        f.attrs["status"] = "running"
-        del f["model/final"]
-    values["output"] = str(crashed)
-    exp = run_experiment(cfg.from_dict(values), LocalComm(), quiet=True, resume=True)
+    crashed, exp = run_and_resume(values, tmp_path)   # died after round 5 was flushed: resume from 4
     assert exp.start == 4
     with RunFile(tmp_path / "ref.h5") as a, RunFile(crashed) as b:
         assert a.clients()["staleness"].max() > 0   # the checkpoint held stale versions

@@ -7,7 +7,6 @@ are one-line errors naming the field."""
 
 import math
 
-import h5py
 import numpy as np
 import pytest
 
@@ -21,7 +20,7 @@ from fedmpi.runtime.vclock import (PROFILE_FIELDS, bernoulli_mask, diurnal_mask,
                                    markov_stationary, read_profiles, read_trace,
                                    sample_available, trace_mask)
 
-from helpers import TINY, merged
+from helpers import TINY, merged, run_and_resume
 
 N = 100_000
 LOGNORMAL = {"profiles": "lognormal", "step_time": 0.05}
@@ -187,15 +186,7 @@ def test_resume_with_markov_gives_the_uninterrupted_file(tmp_path):
                     system={"deterministic": True, "checkpoint_every": 2, "threads": 1},
                     system_model={**LOGNORMAL, "availability": "markov", "p_on_off": 0.5,
                                   "p_off_on": 0.5, "dropout": 0.2})
-    values["output"] = str(tmp_path / "ref.h5")
-    run_experiment(cfg.from_dict(values), LocalComm(), quiet=True)
-    crashed = tmp_path / "crashed.h5"
-    crashed.write_bytes((tmp_path / "ref.h5").read_bytes())
-    with h5py.File(crashed, "r+") as f:   # died after round 4 was flushed: resume from 2
-        f.attrs["status"] = "running"
-        del f["model/final"]
-    values["output"] = str(crashed)
-    exp = run_experiment(cfg.from_dict(values), LocalComm(), quiet=True, resume=True)
+    crashed, exp = run_and_resume(values, tmp_path)   # died after round 4 was flushed: resume from 2
     assert exp.start == 2
     with RunFile(tmp_path / "ref.h5") as a, RunFile(crashed) as b:
         for name in ("virtual_time", "n_available", "n_dropped", "n_participants", "test_acc"):

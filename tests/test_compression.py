@@ -5,7 +5,6 @@ with error feedback, 1-3 ranks bitwise, and what is refused at config time."""
 
 import sys
 
-import h5py
 import numpy as np
 import pytest
 import torch
@@ -21,7 +20,7 @@ from fedmpi.runtime.compression import Codec, Compression
 from fedmpi.runtime.rng import torch_generator
 
 from conftest import mpirun, needs_mpi
-from helpers import TINY, merged, write_config
+from helpers import TINY, merged, run_and_resume, write_config
 
 
 # ---- codecs -------------------------------------------------------------------------------
@@ -191,15 +190,7 @@ def test_the_ledger_counts_encoded_sizes(tmp_path):
 def test_resume_with_error_feedback_is_bitwise_the_uninterrupted_run(tmp_path):
     values = merged(TINY, rounds=5, system={"deterministic": True, "checkpoint_every": 2},
                     compression={"up": "topk", "fraction": 0.05, "error_feedback": True})
-    values["output"] = str(tmp_path / "ref.h5")
-    run_experiment(cfg.from_dict(values), LocalComm(), quiet=True)
-    crashed = tmp_path / "crashed.h5"
-    crashed.write_bytes((tmp_path / "ref.h5").read_bytes())
-    with h5py.File(crashed, "r+") as f:   # died after round 5 was flushed: resume from 4
-        f.attrs["status"] = "running"
-        del f["model/final"]
-    values["output"] = str(crashed)
-    exp = run_experiment(cfg.from_dict(values), LocalComm(), quiet=True, resume=True)
+    crashed, exp = run_and_resume(values, tmp_path)   # died after round 5 was flushed: resume from 4
     assert exp.start == 4
     with RunFile(tmp_path / "ref.h5") as a, RunFile(crashed) as b:
         assert np.array_equal(a.model(), b.model())

@@ -6,7 +6,6 @@ dropped clients exactly the predicted ones, resume and any number of ranks."""
 import math
 import sys
 
-import h5py
 import numpy as np
 import pytest
 
@@ -18,7 +17,7 @@ from fedmpi.runtime import run_experiment
 from fedmpi.runtime.vclock import draw_profiles, durations, schedule, selection_size
 
 from conftest import fedmpi, mpirun, needs_mpi
-from helpers import TINY, merged, write_config
+from helpers import TINY, merged, run_and_resume, write_config
 
 D = 1000   # a FedAvg model of d floats: d * 4 bytes each way
 
@@ -145,15 +144,7 @@ def test_overselection_keeps_the_first_per_round_to_finish(tmp_path):
 def test_resume_continues_the_virtual_time(tmp_path):
     values = merged(TINY, rounds=5, system={"deterministic": True, "checkpoint_every": 2},
                     system_model={**LOGNORMAL, "policy": "overselect"})
-    values["output"] = str(tmp_path / "ref.h5")
-    run_experiment(cfg.from_dict(values), LocalComm(), quiet=True)
-    crashed = tmp_path / "crashed.h5"
-    crashed.write_bytes((tmp_path / "ref.h5").read_bytes())
-    with h5py.File(crashed, "r+") as f:   # died after round 5 was flushed: resume from 4
-        f.attrs["status"] = "running"
-        del f["model/final"]
-    values["output"] = str(crashed)
-    exp = run_experiment(cfg.from_dict(values), LocalComm(), quiet=True, resume=True)
+    crashed, exp = run_and_resume(values, tmp_path)   # died after round 5 was flushed: resume from 4
     assert exp.start == 4
     with RunFile(tmp_path / "ref.h5") as a, RunFile(crashed) as b:
         for name in ("virtual_time", "n_dropped", "test_acc"):
@@ -220,8 +211,7 @@ def test_a_measured_step_time_is_stored_and_a_resume_keeps_it(tmp_path):
     value instead of measuring again (so its virtual times continue the run's)."""
     values = merged(TINY, rounds=4, system={"threads": 1, "checkpoint_every": 2},
                     system_model={**LOGNORMAL, "measure_step_time": True})
-    values["output"] = str(tmp_path / "ref.h5")
-    run_experiment(cfg.from_dict(values), LocalComm(), quiet=True)
+    crashed, exp = run_and_resume(values, tmp_path)   # resumed from round 2
     with RunFile(tmp_path / "ref.h5") as r, run(tmp_path, "given", system={"threads": 1},
                                                 rounds=4, system_model=LOGNORMAL) as given:
         step = float(r.attrs["step_time"])
@@ -234,13 +224,6 @@ def test_a_measured_step_time_is_stored_and_a_resume_keeps_it(tmp_path):
         np.testing.assert_allclose(clients["vt_end"] - clients["vt_start"] - compute,
                                    given.clients()["vt_end"] - given.clients()["vt_start"]
                                    - clients["steps"] * 0.05 / part["device_speed"][c], rtol=1e-9)
-    crashed = tmp_path / "crashed.h5"
-    crashed.write_bytes((tmp_path / "ref.h5").read_bytes())
-    with h5py.File(crashed, "r+") as f:   # died after round 3 was flushed: resume from 2
-        f.attrs["status"] = "running"
-        del f["model/final"]
-    values["output"] = str(crashed)
-    exp = run_experiment(cfg.from_dict(values), LocalComm(), quiet=True, resume=True)
     assert exp.start == 2 and exp.clock.step_time == step
     with RunFile(tmp_path / "ref.h5") as a, RunFile(crashed) as b:
         assert np.array_equal(a.rounds()["virtual_time"], b.rounds()["virtual_time"])
