@@ -191,8 +191,8 @@ def test_resume_with_markov_gives_the_uninterrupted_file(tmp_path):
     with RunFile(tmp_path / "ref.h5") as a, RunFile(crashed) as b:
         for name in ("virtual_time", "n_available", "n_dropped", "n_participants", "test_acc"):
             assert np.array_equal(a.rounds()[name], b.rounds()[name], equal_nan=True), name
-        for name in ("client", "round", "vt_end"):
-            assert np.array_equal(a.clients()[name], b.clients()[name]), name
+        for name in ("client", "round", "vt_end", "dropped"):
+            assert np.array_equal(a.clients()[name], b.clients()[name], equal_nan=True), name
         assert np.array_equal(a.model(), b.model())
         clients = a.clients()
         for t in range(1, 5):   # and the chain is the closed-form one
@@ -257,7 +257,12 @@ def test_dropout_drops_exactly_the_predicted_clients(tmp_path, reference):
         for t in (1, 2, 3):
             sampled = ref["client"][ref["round"] == t].astype(int)   # the same draws
             gone = dropout_mask(SEED, t - 1, sampled, 12, 0.4)
-            assert clients["client"][clients["round"] == t].astype(int).tolist() == sampled[~gone].tolist()
+            mine = clients["round"] == t
+            kept = mine & (clients["dropped"] == 0)
+            assert clients["client"][kept].astype(int).tolist() == sampled[~gone].tolist()
+            assert clients["client"][mine & (clients["dropped"] == 2)].astype(int).tolist() == \
+                sampled[gone].tolist()   # named, flagged as dropped out
+            assert np.all(np.isnan(clients["vt_end"][mine & (clients["dropped"] == 2)]))
             assert rounds["n_dropped"][t] == gone.sum()
             assert rounds["dropped_bytes_down"][t] == gone.sum() * ref["bytes_down"][0]
         assert rounds["n_dropped"][1:].sum() > 0

@@ -115,7 +115,9 @@ def test_a_deadline_drops_exactly_the_late_clients_and_they_do_not_train(tmp_pat
     over["system_model"] = {**LOGNORMAL, "policy": "deadline", "deadline": deadline}
     with run(tmp_path, "deadline", **over) as late, run(tmp_path, "all2", **{
             **over, "system_model": {**LOGNORMAL}}) as all_:
-        a, b = all_.clients(), late.clients()
+        a, every = all_.clients(), late.clients()
+        kept = every["dropped"] == 0
+        b = {k: v[kept] for k, v in every.items()}
         on_time = (a["vt_end"] - a["vt_start"]) <= deadline
         # the draws are the same (keyed by seed and round): exactly the late ones are gone
         assert b["client"].tolist() == a["client"][on_time].tolist()
@@ -126,6 +128,18 @@ def test_a_deadline_drops_exactly_the_late_clients_and_they_do_not_train(tmp_pat
         assert np.all(rounds["dropped_bytes_down"][1:] == rounds["n_dropped"][1:] * b["bytes_down"][0])
         assert np.all(np.diff(rounds["virtual_time"]) <= deadline + 1e-12)
         assert np.all(b["vt_end"] - b["vt_start"] <= deadline)
+        # the late ones are named: their rows follow each round's kept ones, flagged late,
+        # with what they downloaded, nothing uploaded, and when they would have finished
+        gone = {k: v[~kept] for k, v in every.items()}
+        order = np.lexsort((a["client"], a["round"]))
+        assert sorted(zip(gone["round"], gone["client"])) == \
+            sorted(zip(a["round"][order][~on_time[order]], a["client"][order][~on_time[order]]))
+        assert np.all(gone["dropped"] == 1) and np.all(gone["bytes_up"] == 0)
+        assert np.all(gone["bytes_down"] == b["bytes_down"][0]) and np.all(np.isnan(gone["train_loss"]))
+        assert np.all(gone["vt_end"] - gone["vt_start"] > deadline)
+        for t in range(1, 4):
+            assert (every["round"] == t).sum() == 6 and rounds["fl_bytes_down"][t] == \
+                b["bytes_down"][b["round"] == t].sum()
 
 
 def test_overselection_keeps_the_first_per_round_to_finish(tmp_path):
@@ -136,9 +150,12 @@ def test_overselection_keeps_the_first_per_round_to_finish(tmp_path):
         assert rounds["n_dropped"][1:].tolist() == [2, 2, 2]   # ceil(4 * 1.5) - 4
         clients = r.clients()
         for t in (1, 2, 3):
-            mine = clients["round"] == t
+            mine, late = (clients["round"] == t) & (clients["dropped"] == 0), \
+                (clients["round"] == t) & (clients["dropped"] == 1)
+            assert mine.sum() == 4 and late.sum() == 2
             assert rounds["virtual_time"][t] - rounds["virtual_time"][t - 1] == \
                 pytest.approx((clients["vt_end"][mine] - clients["vt_start"][mine]).max())
+            assert clients["vt_end"][late].min() >= clients["vt_end"][mine].max()   # slower
 
 
 def test_resume_continues_the_virtual_time(tmp_path):

@@ -170,6 +170,7 @@ class AsyncServer:
         clients["vt_start"] = np.array([a.start for a in self.arrivals])
         clients["vt_end"] = np.array([a.end for a in self.arrivals])
         clients["staleness"] = np.array([self.staleness(a) for a in self.arrivals], dtype=np.float64)
+        clients["dropped"] = np.zeros(len(self.arrivals), dtype=np.int64)
         return {"virtual_time": self.schedule.now, "n_dropped": 0, "dropped_bytes_down": 0.0}
 
     def state_dict(self) -> dict[str, np.ndarray]:

@@ -57,7 +57,8 @@ from .stats import update_statistics
 from .system import numerics
 from .asyncfl import MODES as ASYNC_MODES, AsyncServer
 from .compression import Compression
-from .vclock import VirtualClock, sample_available, selection_size, virtual_columns
+from .vclock import (VirtualClock, dropped_rows, sample_available, selection_size,
+                     virtual_columns)
 from .world import build_world, eval_batch_size, rank_info, rank_table
 
 __all__ = ["CLIENT_FIELDS", "EXIT_PREEMPTED", "RANK_FIELDS", "ROUND_FIELDS", "Contributions",
@@ -252,7 +253,9 @@ class Experiment:
                 self.diagnostics.update(virtual_columns(self.vplan, rows[0]))
             row = round_row(cfg, t, wall, timers, ranks, rows, traffic, acc, test_loss,
                             self.state["x"], x_before, self.diagnostics, comm.size > 1)
-            self._record(t + 1, row, ranks, rows)
+            dropped = dropped_rows(self.vplan, self.sizes) \
+                if self.clock is not None and self.asynchronous is None else None
+            self._record(t + 1, row, ranks, rows + [dropped] * (dropped is not None))
 
     def _sample(self, t: int):
         """S_t: slots drawn by ``clients.sampling`` (size: weighted by the sample counts of

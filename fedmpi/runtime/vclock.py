@@ -430,6 +430,7 @@ class VirtualClock:
         from (recorded)."""
         times = durations(clients, self.steps[clients], self.bytes_down, self.bytes_up,
                           self.profiles, self.step_time)
+        stay = np.ones(len(clients), dtype=bool)
         if self.model.dropout:   # who drops out never uploads: the policy times the others
             stay = ~dropout_mask(self.seed, round_, clients, len(self.steps), self.model.dropout)
             kept, length = schedule(clients[stay], times[stay], self.model.policy,
@@ -441,14 +442,16 @@ class VirtualClock:
                                     self.model.deadline)
         start = self.now
         self.now = start + length
-        return {"keep": keep, "start": start, "end": start + times, "now": self.now,
+        return {"clients": clients, "keep": keep, "out": ~stay, "start": start,
+                "end": start + times, "now": self.now, "bytes_down": self.bytes_down,
                 "n_dropped": int((~keep).sum()),
                 "dropped_bytes_down": float((~keep).sum() * self.bytes_down),
                 "n_available": int(n_available)}
 
 
 ROUND_FIELDS = ["virtual_time", "n_dropped", "dropped_bytes_down", "n_available"]
-CLIENT_FIELDS = ["vt_start", "vt_end"]
+CLIENT_FIELDS = ["vt_start", "vt_end", "dropped"]
+KEPT, LATE, DROPPED_OUT = 0, 1, 2   # /clients "dropped": why a selected client did not count
 
 
 def virtual_columns(plan: dict, clients: dict) -> dict[str, float]:
@@ -458,5 +461,27 @@ def virtual_columns(plan: dict, clients: dict) -> dict[str, float]:
     ends = plan["end"][plan["keep"]]
     clients["vt_start"] = np.full(len(ends), plan["start"])
     clients["vt_end"] = ends
+    clients["dropped"] = np.full(len(ends), KEPT)
     return {"virtual_time": plan["now"], "n_dropped": plan["n_dropped"],
             "dropped_bytes_down": plan["dropped_bytes_down"], "n_available": plan["n_available"]}
+
+
+def dropped_rows(plan: dict, sizes: np.ndarray) -> dict[str, np.ndarray] | None:
+    """/clients rows of the round's selected clients that did not count (``plan``:
+    ``VirtualClock.round``), ascending client id, or None: ``dropped`` says why (LATE:
+    past the deadline or not among the first S to finish; DROPPED_OUT: mid-round
+    dropout). Each downloaded the payload and uploaded nothing; ``vt_end`` is when a late
+    one would have finished (NaN for a drop-out); nothing of its training is known."""
+    gone = ~plan["keep"]
+    if not gone.any():
+        return None
+    c = plan["clients"][gone]
+    out = plan["out"][gone]
+    n = len(c)
+    return {"phase": np.zeros(n, dtype=np.int64), "client": c.astype(np.int64),
+            "rank": np.full(n, -1, dtype=np.int64), "n_samples": sizes[c].astype(np.int64),
+            "steps": np.zeros(n, dtype=np.int64),
+            "bytes_down": np.full(n, int(plan["bytes_down"]), dtype=np.int64),
+            "bytes_up": np.zeros(n, dtype=np.int64), "vt_start": np.full(n, plan["start"]),
+            "vt_end": np.where(out, np.nan, plan["end"][gone]),
+            "dropped": np.where(out, DROPPED_OUT, LATE)}
