@@ -172,17 +172,23 @@ def test_resume_continues_the_virtual_time(tmp_path):
 
 @pytest.mark.slow
 @needs_mpi
-def test_deadline_run_is_bitwise_the_same_for_1_and_3_ranks(tmp_path):
-    config = write_config(tmp_path / "d.toml", rounds=2, system={"deterministic": True},
-                          system_model={**LOGNORMAL, "policy": "deadline", "deadline": 0.3})
-    fedmpi(["run", "-q", str(config), "-o", str(tmp_path / "one.h5")], check=True)
-    mpirun(3, [sys.executable, "-m", "fedmpi", "run", "-q", str(config), "-o", str(tmp_path / "n3.h5")])
-    with RunFile(tmp_path / "one.h5") as a, RunFile(tmp_path / "n3.h5") as b:
+def test_deadline_run_is_bitwise_the_same_for_1_2_and_3_ranks(tmp_path):
+    over = dict(rounds=2, system={"deterministic": True},
+                system_model={**LOGNORMAL, "policy": "deadline", "deadline": 0.3})
+    config = write_config(tmp_path / "d.toml", **over)
+    for n in (2, 3):
+        mpirun(n, [sys.executable, "-m", "fedmpi", "run", "-q", str(config), "-o",
+                   str(tmp_path / f"n{n}.h5")])
+    with run(tmp_path, "one", **over) as a:
         assert a.rounds()["n_dropped"][1:].sum() > 0
-        for name in ("virtual_time", "n_dropped", "n_participants", "test_acc"):
-            assert np.array_equal(a.rounds()[name], b.rounds()[name], equal_nan=True)
-        assert np.array_equal(a.clients()["vt_end"], b.clients()["vt_end"])
-        assert np.array_equal(a.model(), b.model())
+        for n in (2, 3):
+            with RunFile(tmp_path / f"n{n}.h5") as b:
+                for name in ("virtual_time", "n_dropped", "n_participants", "test_acc"):
+                    assert np.array_equal(a.rounds()[name], b.rounds()[name], equal_nan=True)
+                for name in ("client", "dropped"):
+                    assert np.array_equal(a.clients()[name], b.clients()[name])
+                assert np.array_equal(a.clients()["vt_end"], b.clients()["vt_end"], equal_nan=True)
+                assert np.array_equal(a.model(), b.model())
 
 
 # ---- refused at config time ---------------------------------------------------------------
@@ -244,3 +250,54 @@ def test_a_measured_step_time_is_stored_and_a_resume_keeps_it(tmp_path):
     assert exp.start == 2 and exp.clock.step_time == step
     with RunFile(tmp_path / "ref.h5") as a, RunFile(crashed) as b:
         assert np.array_equal(a.rounds()["virtual_time"], b.rounds()["virtual_time"])
+
+
+def test_named_tiers_give_each_client_its_tier_by_share():
+    model = cfg.from_dict(merged(TINY, system_model={
+        "profiles": "tiers", "tier_names": ["low", "high"], "tier_shares": [0.25, 0.75],
+        "tier_speeds": [0.2, 2.0], "tier_down_mbps": [1.0, 50.0], "tier_up_mbps": [0.5, 10.0],
+        "latency": 0.1})).system_model
+    p = draw_profiles(7, 4000, model)
+    assert abs((p["tier"] == 0).mean() - 0.25) < 5 * (0.25 * 0.75 / 4000) ** 0.5
+    for k, values in (("speed", [0.2, 2.0]), ("down_mbps", [1.0, 50.0]), ("up_mbps", [0.5, 10.0])):
+        assert np.array_equal(p[k], np.array(values)[p["tier"]])
+    assert np.all(p["latency"] == 0.1)
+    assert np.array_equal(p["tier"], draw_profiles(7, 4000, model)["tier"])
+
+
+def test_tiers_and_per_sample_step_times_through_a_run(tmp_path):
+    tiers = {"profiles": "tiers", "tier_shares": [0.5, 0.5], "tier_speeds": [0.5, 4.0],
+             "tier_down_mbps": [5.0, 40.0], "tier_up_mbps": [1.0, 8.0],
+             "step_unit": "sample", "step_time": 0.002}
+    with run(tmp_path, "tiers", system={"threads": 1}, rounds=2, system_model=tiers) as r:
+        part, clients = r.partition(), r.clients()
+        tier = part["device_tier"]
+        assert set(tier.tolist()) == {0, 1}
+        assert np.array_equal(part["device_speed"], np.array([0.5, 4.0])[tier])
+        c = clients["client"].astype(int)
+        expected = clients["bytes_down"] * 8 / (part["device_down_mbps"][c] * 1e6) + 0.1 + \
+            clients["n_samples"] * 0.002 / part["device_speed"][c] + \
+            clients["bytes_up"] * 8 / (part["device_up_mbps"][c] * 1e6)   # E = 1: samples
+        np.testing.assert_allclose(clients["vt_end"] - clients["vt_start"], expected, rtol=1e-12)
+
+
+@pytest.mark.parametrize("section,message", [
+    ({"tier_shares": [0.5, 0.6], "tier_speeds": [1, 2], "tier_down_mbps": [1, 2], "tier_up_mbps": [1, 2]},
+     "system_model.tier_shares: must sum to 1, got 1.1"),
+    ({"tier_shares": [0.5, 0.5], "tier_speeds": [1], "tier_down_mbps": [1, 2], "tier_up_mbps": [1, 2]},
+     "system_model.tier_speeds: has 1 entries, system_model.tier_shares 2"),
+    ({"tier_shares": [1.0], "tier_speeds": [-1], "tier_down_mbps": [1], "tier_up_mbps": [1]},
+     "system_model.tier_speeds: must be numbers > 0, got -1"),
+    ({"tier_shares": [1.0], "tier_speeds": [1], "tier_down_mbps": [1]},
+     "system_model.tier_up_mbps: profiles \"tiers\" needs a list"),
+    ({"tier_names": ["a", "a"], "tier_shares": [0.5, 0.5], "tier_speeds": [1, 2],
+      "tier_down_mbps": [1, 2], "tier_up_mbps": [1, 2]}, "system_model.tier_names: must be distinct"),
+])
+def test_bad_tiers_are_a_one_line_error(section, message):
+    with pytest.raises(UsageError) as err:
+        cfg.from_dict(merged(TINY, system_model={"profiles": "tiers", **section}))
+    assert message in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(UsageError, match="system_model.tier_speeds: describes device tiers"):
+        cfg.from_dict(merged(TINY, system_model={"profiles": "lognormal", "tier_speeds": [1.0]}))
+    with pytest.raises(UsageError, match="system_model.step_unit: 'epoch' is not allowed"):
+        cfg.from_dict(merged(TINY, system_model={"profiles": "lognormal", "step_unit": "epoch"}))

@@ -148,11 +148,19 @@ class SystemModelConfig:
     """The simulated deployment's devices and networks (fedmpi.runtime.vclock): off by
     default, and then nothing about a run changes."""
     profiles: str = "off"              # off | lognormal: per-client speed and bandwidths drawn
-                                       # from the seed | file: read from profile_file
+                                       # from the seed | tiers: each client one of the tiers
+                                       # below, drawn by share | file: read from profile_file
     profile_file: str = ""             # profiles file: a .csv (header row) or .npz with columns
                                        # client, speed, down_mbps, up_mbps, latency; every
                                        # client id 0..N-1 of the population exactly once
-    step_time: float = 0.05            # seconds one local step takes at speed 1
+    tier_names: list = field(default_factory=list)          # profiles tiers: ["low", "high"]
+    tier_shares: list[float] = field(default_factory=list)  # each tier's share of the clients
+    tier_speeds: list[float] = field(default_factory=list)  # its speed multiplier of step_time
+    tier_down_mbps: list[float] = field(default_factory=list)   # its downlink, Mbit/s
+    tier_up_mbps: list[float] = field(default_factory=list)     # its uplink, Mbit/s
+    step_time: float = 0.05            # seconds one local step (step_unit) takes at speed 1
+    step_unit: str = "step"            # step: compute = E ceil(n_i / B) steps x step_time |
+                                       # sample: compute = E n_i samples x step_time
     measure_step_time: bool = False    # true: time the model's local steps at start-up on the
                                        # first worker's device instead (stored in the file)
     speed_sigma: float = 1.0           # lognormal sigma of the per-client speed (median 1)

@@ -168,11 +168,13 @@ def _validate_system_model(c: ExperimentConfig) -> None:
     waiting for all only with profiles to time the clients by."""
     from .. import algorithms
     from ..runtime.asyncfl import MODES as ASYNC_MODES, STALENESS
-    from ..runtime.vclock import POLICIES, PROFILES
+    from ..runtime.vclock import POLICIES, PROFILES, STEP_UNITS
 
     m = c.system_model
     _one_of("system_model.profiles", m.profiles, PROFILES)
     _one_of("system_model.policy", m.policy, POLICIES)
+    _one_of("system_model.step_unit", m.step_unit, STEP_UNITS)
+    _validate_tiers(m)
     for name in ("step_time", "down_mbps", "up_mbps"):
         _positive(f"system_model.{name}", getattr(m, name))
     _one_of("system_model.staleness", m.staleness, STALENESS)
@@ -289,6 +291,40 @@ def _validate_compression(c: ExperimentConfig) -> None:
             raise field_error("compression.messages", f"{name!r} is not an upload algorithm "
                               f"{c.algorithm.name!r} declares compressible (those: "
                               f"{', '.join(declared['up'])})")
+
+
+TIER_LISTS = ("tier_shares", "tier_speeds", "tier_down_mbps", "tier_up_mbps")
+
+
+def _validate_tiers(m) -> None:
+    """``profiles = "tiers"``: the tier lists, one entry per tier, all positive numbers,
+    the shares summing to 1, the names (if given) distinct; tier lists only with it."""
+    given = [name for name in ("tier_names",) + TIER_LISTS if getattr(m, name)]
+    if m.profiles != "tiers":
+        if given:
+            raise field_error(f"system_model.{given[0]}", "describes device tiers: set "
+                                                         "system_model.profiles = \"tiers\"")
+        return
+    lists = {name: getattr(m, name) for name in TIER_LISTS}
+    for name, values in lists.items():
+        if not isinstance(values, list) or not values:
+            raise field_error(f"system_model.{name}", "profiles \"tiers\" needs a list with "
+                                                     "one number per tier")
+        bad = [v for v in values if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0]
+        if bad:
+            raise field_error(f"system_model.{name}", f"must be numbers > 0, got {bad[0]!r}")
+    n = len(lists["tier_shares"])
+    for name, values in list(lists.items()) + [("tier_names", m.tier_names or [None] * n)]:
+        if len(values) != n:
+            raise field_error(f"system_model.{name}", f"has {len(values)} entries, "
+                                                     f"system_model.tier_shares {n}: one per tier")
+    if abs(sum(lists["tier_shares"]) - 1) > 1e-6:
+        raise field_error("system_model.tier_shares", f"must sum to 1, got "
+                                                      f"{sum(lists['tier_shares']):g}")
+    if m.tier_names and (len(set(map(str, m.tier_names))) != n or
+                         not all(isinstance(x, str) and x for x in m.tier_names)):
+        raise field_error("system_model.tier_names", f"must be distinct non-empty names, got "
+                                                     f"{m.tier_names!r}")
 
 
 def _validate_async(c: ExperimentConfig) -> None:

@@ -106,7 +106,7 @@ class Experiment:
         measured = self._measure_step_time() if cfg.system_model.profiles != "off" and \
             cfg.system_model.measure_step_time and not self.resume else None   # a resume: the file's
         self.clock = VirtualClock(cfg, self.codecs.message_bytes(self.d, self.alg.phases[0]),
-                                  self.steps) \
+                                  self.sizes if cfg.system_model.step_unit == "sample" else self.steps) \
             if comm.is_server and cfg.system_model.profiles != "off" else None
         if measured is not None and self.clock is not None:
             self.clock.step_time = measured
@@ -140,8 +140,8 @@ class Experiment:
         return {**self.alg.client_state_sizes(self.d), **self.codecs.state_sizes()}
 
     def _measure_step_time(self) -> float | None:
-        """``system_model.measure_step_time``: seconds a local step of this model and batch
-        size takes on the first worker's device, measured on the client of median size
+        """``system_model.measure_step_time``: seconds a local step (or a sample, by
+        ``step_unit``) of this model and batch size takes on the first worker's device, measured on the client of median size
         (one local update to warm up, one timed); the server's value, None elsewhere."""
         cfg, comm = self.config, self.comm
         seconds = None
@@ -157,7 +157,9 @@ class Experiment:
                     upload = local_sgd.local_update(self._task(c, ctx, 0), x, ctx)
                     if self.device.type == "cuda":
                         torch.cuda.synchronize(self.device)
-                    seconds = (time.perf_counter() - t0) / max(upload.steps, 1)
+                    units = upload.steps if cfg.system_model.step_unit == "step" else \
+                        upload.num_samples * cfg.train.local_epochs
+                    seconds = (time.perf_counter() - t0) / max(units, 1)
             self.flat.load(x)
         measured = [s for s in comm.gather_obj(seconds, count=False) or [] if s is not None]
         return measured[0] if comm.is_server else None

@@ -69,7 +69,8 @@ from ..errors import UsageError
 from .plan import sample_clients
 from .rng import numpy_rng
 
-PROFILES = ("off", "lognormal", "file")
+PROFILES = ("off", "lognormal", "tiers", "file")
+STEP_UNITS = ("step", "sample")
 POLICIES = ("wait_all", "deadline", "overselect", "fedasync", "fedbuff")
 AVAILABILITY = ("always", "bernoulli", "markov", "diurnal", "trace")
 PROFILE_FIELDS = ("speed", "down_mbps", "up_mbps", "latency")
@@ -79,7 +80,17 @@ TRACE_FIELDS = ("client", "start", "end")
 def draw_profiles(seed: int, num_clients: int, model) -> dict[str, np.ndarray]:
     """Every client's device (``model``: the SystemModelConfig), keyed by the seed alone:
     speed ~ exp(N(0, speed_sigma)) (median 1), each bandwidth the configured median times
-    exp(N(0, bandwidth_sigma)), latency the configured one."""
+    exp(N(0, bandwidth_sigma)), latency the configured one; with ``profiles = "tiers"``
+    each client's tier drawn by ``tier_shares`` (``tier``: its index) and the tier's
+    speed and bandwidths."""
+    if model.profiles == "tiers":
+        rng = numpy_rng(seed, "device-tiers")
+        shares = np.asarray(model.tier_shares, dtype=np.float64)
+        tier = rng.choice(len(shares), size=num_clients, p=shares / shares.sum())
+        return {"speed": np.asarray(model.tier_speeds, dtype=np.float64)[tier],
+                "down_mbps": np.asarray(model.tier_down_mbps, dtype=np.float64)[tier],
+                "up_mbps": np.asarray(model.tier_up_mbps, dtype=np.float64)[tier],
+                "latency": np.full(num_clients, float(model.latency)), "tier": tier}
     rng = numpy_rng(seed, "device-profiles")
     speed = np.exp(model.speed_sigma * rng.standard_normal(num_clients))
     down = model.down_mbps * np.exp(model.bandwidth_sigma * rng.standard_normal(num_clients))
@@ -352,7 +363,7 @@ def durations(clients: np.ndarray, steps: np.ndarray, bytes_down: float, bytes_u
               profiles: dict[str, np.ndarray], step_time: float) -> np.ndarray:
     """Seconds of each client's participation (download + compute + upload), [len(clients)];
     ``steps`` the local steps of each of ``clients``."""
-    p = {k: v[clients] for k, v in profiles.items()}
+    p = {k: profiles[k][clients] for k in PROFILE_FIELDS}
     download = bytes_down * 8 / (p["down_mbps"] * 1e6) + p["latency"]
     upload = bytes_up * 8 / (p["up_mbps"] * 1e6) + p["latency"]
     return download + np.asarray(steps, dtype=np.float64) * step_time / p["speed"] + upload
@@ -387,11 +398,13 @@ class VirtualClock:
     """The server's virtual time: profiles, availability, the current time, and each
     round's schedule."""
 
-    def __init__(self, config, message_bytes: tuple[int, int], steps: np.ndarray):
+    def __init__(self, config, message_bytes: tuple[int, int], work: np.ndarray):
+        """``work``: each client's units of ``step_unit`` in one epoch (its steps, or its
+        samples)."""
         self.model = config.system_model
         self.seed = config.seed
         # one device per client identity (a dynamic population has more than clients.num)
-        num = len(steps)
+        num = len(work)
         self.profiles = read_profiles(self.model.profile_file, num) \
             if self.model.profiles == "file" else draw_profiles(config.seed, num, self.model)
         self.availability = Availability(self.model, config.seed, num) \
@@ -399,7 +412,8 @@ class VirtualClock:
         # a participation's bytes: the FL ledger's, at the codecs' encoded sizes
         self.bytes_down, self.bytes_up = message_bytes
         self.step_time = self.model.step_time   # or the one measured at start-up
-        self.steps = np.asarray(steps) * config.train.local_epochs   # local steps per client
+        # each participation's units of step_time: E epochs of steps (or samples)
+        self.steps = np.asarray(work) * config.train.local_epochs
         self.per_round = config.clients.per_round
         self.now = 0.0   # seconds since the run's start, at the end of the last round
 
