@@ -157,8 +157,9 @@ def main() -> None:
     ap.add_argument("--target", type=float, nargs="+", default=[0.70, 0.75, 0.80])
     ap.add_argument("--deadline-quantile", type=float, default=0.7)
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
+    ap.add_argument("--threads", type=int, default=0, help="system.threads (0: all cores)")
     args = ap.parse_args()
-    values = workload(args.rounds)
+    values = {**workload(args.rounds), "system": {"threads": args.threads}}
     deadline = default_deadline(values, args.deadline_quantile)
     print(f"deadline: {deadline:.2f} s (the {args.deadline_quantile:.0%} quantile of the "
           f"clients' participation times)", flush=True)
