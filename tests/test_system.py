@@ -141,24 +141,29 @@ def test_cuda_without_cuda_is_a_usage_error(gpus):
             choose_device(requested, True, 1, [(1, "all")])
 
 
-@pytest.mark.slow
-@needs_mpi
-@pytest.mark.parametrize("visibility, gpu_count, requested, share, expected", [
+GPU_CASES = [   # visibility, GPUs on the node, system.device, gpu_share, each worker's device
     ("node", 2, "auto", "0", {1: "cuda:0", 2: "cuda:1"}),
     ("unset", 2, "cuda", "0", {1: "cuda:0", 2: "cuda:1"}),
     ("task", 1, "auto", "0", {1: "cuda:0", 2: "cuda:0"}),
     ("node", 1, "auto", "0", {1: "error", 2: "error"}),
     ("node", 1, "auto", "1", {1: "cuda:0", 2: "cuda:0"}),
     ("node", 2, "cuda:1", "0", {1: "error", 2: "error"}),
-])
-def test_gpu_mapping_under_mpirun(visibility, gpu_count, requested, share, expected):
+]
+
+
+@pytest.mark.slow
+@needs_mpi
+def test_gpu_mapping_under_mpirun():
     """1 server + 2 workers on one node, under a real mpirun, the local-rank variables
-    removed: the mapping comes from MPI's shared-memory split alone."""
+    removed: the mapping comes from MPI's shared-memory split alone (every case in one
+    launch)."""
+    cases = [[gpus, visibility, requested, share] for visibility, gpus, requested, share, _ in GPU_CASES]
     proc = mpirun(3, [sys.executable, str(ROOT / "tests/mpi_scripts/gpu_map_check.py"),
-                      str(gpu_count), visibility, requested, share], timeout=120)
+                      json.dumps(cases)], timeout=120)
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    got = {r["rank"]: r.get("device", "error") for r in lines}
-    assert got == {0: "cpu", **expected}, lines
+    for case, (*_, expected) in enumerate(GPU_CASES):
+        got = {r["rank"]: r.get("device", "error") for r in lines if r["case"] == case}
+        assert got == {0: "cpu", **expected}, (GPU_CASES[case], lines)
 
 
 # ---- numerics: deterministic kernels and precision --------------------------------------

@@ -1,12 +1,13 @@
-"""Run under mpirun: which device each rank would take on a node with GPUS fake GPUs.
+"""Run under mpirun: which device each rank would take on a node with fake GPUs.
 
-    python gpu_map_check.py GPUS VISIBILITY REQUESTED SHARE
+    python gpu_map_check.py CASES_JSON
 
-VISIBILITY: "node" (every rank sees the same CUDA_VISIBLE_DEVICES, as SLURM's per-node
---gres sets it), "task" (rank r sees only GPU r-1, as --gpus-per-task=1 sets it) or
-"unset". torch's CUDA queries are replaced by fakes (no GPU here); the launcher's
+CASES_JSON: a list of [GPUS, VISIBILITY, REQUESTED, SHARE] cases, all checked in this one
+launch. VISIBILITY: "node" (every rank sees the same CUDA_VISIBLE_DEVICES, as SLURM's
+per-node --gres sets it), "task" (rank r sees only GPU r-1, as --gpus-per-task=1 sets it)
+or "unset". torch's CUDA queries are replaced by fakes (no GPU here); the launcher's
 local-rank variables are removed, as under an unknown launcher, since the mapping must
-not need them. Prints one JSON line per rank: rank, device or error.
+not need them. Prints one JSON line per case and rank: case, rank, device or error.
 """
 
 import json
@@ -15,7 +16,7 @@ import sys
 
 import torch
 
-gpus, visibility, requested, share = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4] == "1"
+cases = json.loads(sys.argv[1])
 for name in ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_LOCALID",
              "MPI_LOCALRANKID"):
     os.environ.pop(name, None)
@@ -25,19 +26,20 @@ from fedmpi.errors import UsageError  # noqa: E402
 from fedmpi.runtime.system import choose_device, node_workers  # noqa: E402
 
 comm = MPIComm()
-if visibility == "node":
-    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in range(gpus))
-elif visibility == "task":
-    os.environ["CUDA_VISIBLE_DEVICES"] = str(max(comm.rank - 1, 0))
-    gpus = 1
-else:
-    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
 torch.cuda.is_available = lambda: True
-torch.cuda.device_count = lambda: gpus
-
-peers = node_workers(comm)
-try:
-    result = {"device": str(choose_device(requested, comm.is_worker, comm.rank, peers, share))}
-except UsageError as exc:
-    result = {"error": str(exc)}
-print(json.dumps({"rank": comm.rank, **result}), flush=True)
+for case, (gpus, visibility, requested, share) in enumerate(cases):
+    if visibility == "node":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in range(gpus))
+    elif visibility == "task":
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(max(comm.rank - 1, 0))
+        gpus = 1
+    else:
+        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+    torch.cuda.device_count = lambda gpus=gpus: gpus
+    peers = node_workers(comm)
+    try:
+        result = {"device": str(choose_device(requested, comm.is_worker, comm.rank, peers,
+                                              share == "1"))}
+    except UsageError as exc:
+        result = {"error": str(exc)}
+    print(json.dumps({"case": case, "rank": comm.rank, **result}), flush=True)
