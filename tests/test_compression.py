@@ -199,7 +199,7 @@ def test_resume_with_error_feedback_is_bitwise_the_uninterrupted_run(tmp_path):
 
 @pytest.mark.slow
 @needs_mpi
-@pytest.mark.parametrize("algorithm,messages,ranks", [("fedavg", ["delta"], (3,)),
+@pytest.mark.parametrize("algorithm,messages,ranks", [("fedavg", ["delta"], (2, 3)),
                                                       ("scaffold", ["delta", "delta_c"], (2, 3))])
 def test_topk_with_error_feedback_is_bitwise_the_same_for_1_2_and_3_ranks(
         tmp_path, algorithm, messages, ranks):
