@@ -37,11 +37,11 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
 
-from .phase import Versions
 from .plan import sample_clients
 
 MODES = ("fedasync", "fedbuff")
@@ -52,6 +52,18 @@ CLIENT_FIELDS = ["staleness"]
 def staleness_weight(kind: str, tau: int, exponent: float) -> float:
     """s(tau): 1, or (1 + tau)^-exponent."""
     return 1.0 if kind == "constant" or tau == 0 else float((1.0 + tau) ** -exponent)
+
+
+@dataclass
+class Versions:
+    """What ``Phases.run`` needs for a phase whose clients train on model versions of
+    their own. ``states``: version -> a server state to build that version's payload
+    from (server only); ``of``: client -> (version, scale of its delta's contribution,
+    the round key of its data); ``update``: the server update that replaces the
+    method's, or None."""
+    states: dict
+    of: dict
+    update: Callable | None = None
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ import torch
 from .. import algorithms
 from ..algorithms import schedule
 from . import gram
+from .asyncfl import Versions
 from .compression import Compression
 from .plan import groups, place
 from .records import Timers, Traffic
@@ -47,18 +48,6 @@ class PhaseResult:
     stats: list          # the update statistics' two sums (first phase, eval.update_stats)
     diagnostics: dict
     rows: dict           # gathered + phase, bytes_down, bytes_up
-
-
-@dataclass
-class Versions:
-    """A phase whose clients train on model versions of their own (asynchronous FL,
-    fedmpi.runtime.asyncfl). ``states``: version -> a server state to build that
-    version's payload from (server only); ``of``: client -> (version, scale of its
-    delta's contribution, the round key of its data); ``update``: the server update that
-    replaces the method's, or None."""
-    states: dict
-    of: dict
-    update: Callable | None = None
 
 
 @dataclass
