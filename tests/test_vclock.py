@@ -211,10 +211,7 @@ def test_bad_system_model_is_a_one_line_error(section, message):
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
-def test_what_the_clock_cannot_time_yet_is_refused():
-    with pytest.raises(UsageError, match="algorithm 'fnrfl' has 2 phases"):
-        cfg.from_dict(merged(TINY, algorithm={"name": "fnrfl"}, data={"public_size": 60},
-                             system_model=LOGNORMAL))
+def test_what_the_clock_cannot_time_is_refused():
     with pytest.raises(UsageError, match="clients.sampling \"bernoulli\""):
         cfg.from_dict(merged(TINY, clients={"sampling": "bernoulli"},
                              system_model={**LOGNORMAL, "policy": "overselect"}))
@@ -301,3 +298,25 @@ def test_bad_tiers_are_a_one_line_error(section, message):
         cfg.from_dict(merged(TINY, system_model={"profiles": "lognormal", "tier_speeds": [1.0]}))
     with pytest.raises(UsageError, match="system_model.step_unit: 'epoch' is not allowed"):
         cfg.from_dict(merged(TINY, system_model={"profiles": "lognormal", "step_unit": "epoch"}))
+
+
+def test_a_later_phase_is_timed_after_the_first(tmp_path):
+    """FNR-FL: the refined clients start when the training phase has ended, and the round
+    waits for all of them; the clock only times, so the model is the one without it."""
+    over = dict(rounds=2, system={"threads": 1}, algorithm={"name": "fnrfl"},
+                data={**TINY["data"], "public_size": 60})
+    with run(tmp_path, "off", **over) as off, run(tmp_path, "on", **over, system_model=LOGNORMAL) as on:
+        assert np.array_equal(off.model(), on.model())
+        rounds, clients, part = on.rounds(), on.clients(), on.partition()
+        c = clients["client"].astype(int)
+        speed, down, up, lat = (part[f"device_{k}"] for k in ("speed", "down_mbps", "up_mbps", "latency"))
+        expected = clients["bytes_down"] * 8 / (down[c] * 1e6) + lat[c] + clients["steps"] * 0.05 / speed[c] \
+            + clients["bytes_up"] * 8 / (up[c] * 1e6) + lat[c]
+        np.testing.assert_allclose(clients["vt_end"] - clients["vt_start"], expected, rtol=1e-12)
+        for t in (1, 2):
+            train = (clients["round"] == t) & (clients["phase"] == 0)
+            refine = (clients["round"] == t) & (clients["phase"] == 1)
+            assert refine.sum() > 0
+            assert np.all(clients["vt_start"][refine] == clients["vt_end"][train].max())
+            assert rounds["virtual_time"][t] == clients["vt_end"][refine].max()
+            assert np.all(clients["vt_start"][train] == rounds["virtual_time"][t - 1])

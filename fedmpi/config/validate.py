@@ -166,7 +166,6 @@ def group_refusal(c: ExperimentConfig) -> str | None:
 def _validate_system_model(c: ExperimentConfig) -> None:
     """``[system_model]``: names from the lists, numbers in range, and a policy other than
     waiting for all only with profiles to time the clients by."""
-    from .. import algorithms
     from ..runtime.asyncfl import MODES as ASYNC_MODES, STALENESS
     from ..runtime.vclock import POLICIES, PROFILES, STEP_UNITS
 
@@ -206,11 +205,6 @@ def _validate_system_model(c: ExperimentConfig) -> None:
             raise field_error("system_model.policy", "\"overselect\" selects a fixed number of "
                                                      "clients; clients.sampling \"bernoulli\" "
                                                      "draws a random one (use uniform or size)")
-    phases = algorithms.REGISTRY[c.algorithm.name].phases
-    if len(phases) > 1:
-        raise field_error("system_model.profiles", f"algorithm {c.algorithm.name!r} has "
-                          f"{len(phases)} phases a round, which the virtual clock does not "
-                          f"time yet; set \"off\"")
 
 
 def _validate_availability(c: ExperimentConfig) -> None:

@@ -252,7 +252,9 @@ class Experiment:
                 self.diagnostics.update(self.asynchronous.columns(rows[0]))
                 self.asynchronous.done()
             elif self.clock is not None:
-                self.diagnostics.update(virtual_columns(self.vplan, rows[0]))
+                later = [(r, *self.codecs.message_bytes(self.d, phase))
+                         for r, phase in zip(rows[1:], self.alg.phases[1:])]
+                self.diagnostics.update(virtual_columns(self.vplan, rows[0], self.clock, later))
             row = round_row(cfg, t, wall, timers, ranks, rows, traffic, acc, test_loss,
                             self.state["x"], x_before, self.diagnostics, comm.size > 1)
             dropped = dropped_rows(self.vplan, self.sizes) \

@@ -414,6 +414,8 @@ class VirtualClock:
         self.step_time = self.model.step_time   # or the one measured at start-up
         # each participation's units of step_time: E epochs of steps (or samples)
         self.steps = np.asarray(work) * config.train.local_epochs
+        # a later phase's steps in units of step_time (per sample: a full batch a step)
+        self.steps_per_step = 1 if self.model.step_unit == "step" else config.train.batch_size
         self.per_round = config.clients.per_round
         self.now = 0.0   # seconds since the run's start, at the end of the last round
 
@@ -463,19 +465,39 @@ class VirtualClock:
                 "n_available": int(n_available)}
 
 
+    def later_phase(self, clients: np.ndarray, steps: np.ndarray, bytes_down: float,
+                    bytes_up: float) -> tuple[float, np.ndarray]:
+        """A later phase of the round (FNR-FL's refinement): its participants start when
+        the phase before has ended and the round waits for all of them (the server chose
+        them); ``steps``: the steps each ran. Returns (its start, each one's end)."""
+        start = self.now
+        times = durations(clients, steps, bytes_down, bytes_up, self.profiles, self.step_time)
+        self.now = start + (float(times.max()) if len(times) else 0.0)
+        return start, start + times
+
+
 ROUND_FIELDS = ["virtual_time", "n_dropped", "dropped_bytes_down", "n_available"]
 CLIENT_FIELDS = ["vt_start", "vt_end", "dropped"]
 KEPT, LATE, DROPPED_OUT = 0, 1, 2   # /clients "dropped": why a selected client did not count
 
 
-def virtual_columns(plan: dict, clients: dict) -> dict[str, float]:
+def virtual_columns(plan: dict, clients: dict, clock: VirtualClock | None = None,
+                    later: list | None = None) -> dict[str, float]:
     """The round's /rounds values of ``plan`` (``VirtualClock.round``); adds the kept
     clients' start and end times to ``clients``, the round's /clients columns (ascending
-    client id, as the kept clients are)."""
+    client id, as the kept clients are). ``later``: (rows, bytes down, bytes up) of each
+    later phase, timed by ``clock`` after the first (their rows get their times too)."""
     ends = plan["end"][plan["keep"]]
     clients["vt_start"] = np.full(len(ends), plan["start"])
     clients["vt_end"] = ends
     clients["dropped"] = np.full(len(ends), KEPT)
+    for rows, down, up in later or []:
+        unit = clock.steps_per_step
+        start, rows["vt_end"] = clock.later_phase(rows["client"].astype(np.int64),
+                                                  rows["steps"] * unit, down, up)
+        rows["vt_start"] = np.full(len(rows["client"]), start)
+        rows["dropped"] = np.full(len(rows["client"]), KEPT)
+        plan["now"] = clock.now
     return {"virtual_time": plan["now"], "n_dropped": plan["n_dropped"],
             "dropped_bytes_down": plan["dropped_bytes_down"], "n_available": plan["n_available"]}
 
