@@ -7,6 +7,7 @@ are one-line errors naming the field."""
 
 import math
 
+import h5py
 import numpy as np
 import pytest
 
@@ -337,3 +338,23 @@ def test_bad_availability_or_profile_file_is_a_one_line_error(tmp_path, section,
         cfg.from_dict(merged(TINY, system_model=section(tmp_path)))
     text = str(err.value)
     assert message.format(d=tmp_path) in text and "\n" not in text
+
+
+def test_a_resume_refuses_a_changed_profile_file(tmp_path):
+    """The run's devices are in its file: a resume reading a different table is refused
+    (it would time the rest of the run on other devices), the file left as it was."""
+    table = profile_table(12)
+    path = write_csv(tmp_path / "p.csv", table)
+    values = merged(TINY, rounds=3, system={"threads": 1, "checkpoint_every": 1},
+                    system_model={"profiles": "file", "profile_file": path})
+    crashed, _ = run_and_resume(values, tmp_path)   # unchanged: resumes
+    with h5py.File(crashed, "r+") as f:
+        f.attrs["status"] = "running"
+        del f["model/final"]
+    before = crashed.read_bytes()
+    table["speed"] = table["speed"] * 2
+    write_csv(tmp_path / "p.csv", table)
+    with pytest.raises(UsageError, match="the virtual clock's inputs differ from the run's"):
+        run_experiment(cfg.from_dict({**values, "output": str(crashed)}), LocalComm(),
+                       quiet=True, resume=True)
+    assert crashed.read_bytes() == before

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import sys
 from pathlib import Path
@@ -39,7 +40,8 @@ def create_file(exp, dataset, ranks) -> bool:
     clients = client_fields(exp.alg, exp.d)
     if exp.clock is not None:   # the devices under /partition, the clock's columns
         provenance.update(step_time=exp.clock.step_time,
-                          step_time_measured=bool(cfg.system_model.measure_step_time))
+                          step_time_measured=bool(cfg.system_model.measure_step_time),
+                          **input_digests(cfg))
         partition.update({f"device_{k}": v for k, v in exp.clock.profiles.items()})
         round_fields += vclock.ROUND_FIELDS
         clients += vclock.CLIENT_FIELDS
@@ -74,6 +76,14 @@ def resume_file(exp, ranks) -> bool:
         exp.clock.now = float(rounds["virtual_time"][rounds["round"] == exp.start][-1])
     if exp.clock is not None and "step_time" in attrs:   # a measured one is the file's
         exp.clock.step_time = float(attrs["step_time"])
+    if exp.clock is not None:   # the devices and the trace a resume reads must be the run's
+        changed = [k for k, v in exp.clock.profiles.items()
+                   if not np.array_equal(stored.get(f"device_{k}"), v)]
+        changed += [k for k, v in input_digests(exp.config).items() if attrs.get(k) != v]
+        if changed:
+            raise UsageError(f"--resume {path}: the virtual clock's inputs differ from the run's "
+                             f"({', '.join(changed)}; was system_model.profile_file or "
+                             f"availability_file changed?)")
     if not np.array_equal(stored["client_offsets"], exp.split.offsets) or \
             not np.array_equal(stored["client_indices"], exp.split.indices):
         raise UsageError(f"--resume {path}: this fedmpi computes a different client partition "
@@ -105,6 +115,15 @@ def load_checkpoint(exp, ckpt) -> None:
 
 
 ASYNC_STATE = ("async_versions", "async_version_ids")
+
+
+def input_digests(cfg) -> dict[str, str]:
+    """SHA-256 of the user files the virtual clock reads (profile table, availability
+    trace), so a resume can tell that they are still the run's."""
+    m = cfg.system_model
+    files = {"profile_file_sha256": m.profile_file if m.profiles == "file" else "",
+             "availability_file_sha256": m.availability_file if m.availability == "trace" else ""}
+    return {k: hashlib.sha256(Path(f).read_bytes()).hexdigest() for k, f in files.items() if f}
 
 
 def git_commit() -> str:
