@@ -52,6 +52,7 @@ UP_CODECS = ("none", "fp16", "bf16", "qsgd", "topk", "randk", "sign")
 DOWN_CODECS = ("none", "fp16", "bf16")
 FEEDBACK = ("ef", "ef21")
 CASTS = {"fp16": torch.float16, "bf16": torch.bfloat16}
+RANDOM = ("qsgd", "randk")   # codecs that draw from the client's keyed stream
 
 
 def index_bits(n: int) -> int:
@@ -189,7 +190,8 @@ class Compression:
         for i, name in enumerate(self.uploads):
             v = upload.delta if name == "delta" else upload.extras[name]
             flat = v.reshape(-1).float()
-            generator = torch_generator(self.seed, "compress", *key, i)
+            generator = torch_generator(self.seed, "compress", *key, i) \
+                if self.up.name in RANDOM else None
             memory = None if state is None else state.get(f"{self.feedback}_{name}")
             memory = torch.zeros_like(flat) if memory is None else \
                 torch.as_tensor(memory).to(flat.device)
