@@ -272,6 +272,11 @@ def test_dropout_drops_exactly_the_predicted_clients(tmp_path, reference):
 
 # ---- refused at config time ----------------------------------------------------------------
 
+def write_text(path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
 def bad_file(tmp_path, kind: str) -> str:
     """A profile table that is wrong in one way."""
     table = profile_table(12)
@@ -313,6 +318,12 @@ def bad_file(tmp_path, kind: str) -> str:
      "system_model.profile_file: is read with system_model.profiles = \"file\" only"),
     (lambda d: {**LOGNORMAL, "availability": "trace", "availability_file": str(d / "none.csv")},
      "system_model.availability_file: {d}/none.csv does not exist"),
+    (lambda d: {**LOGNORMAL, "availability": "trace",
+                "availability_file": write_text(d / "t.csv", "client,start,end\n0,10,5\n")},
+     "system_model.availability_file: {d}/t.csv: client 0's interval [10.0, 5.0) needs a finite start"),
+    (lambda d: {**LOGNORMAL, "availability": "trace",
+                "availability_file": write_text(d / "t.csv", "client,start\n0,10\n")},
+     "system_model.availability_file: {d}/t.csv has no column end"),
     (lambda d: {**LOGNORMAL, "availability": "sometimes"},
      "system_model.availability: 'sometimes' is not allowed"),
     (lambda d: {**LOGNORMAL, "availability": "bernoulli", "availability_p": 1.5},
@@ -331,7 +342,7 @@ def bad_file(tmp_path, kind: str) -> str:
      "system_model.dropout: system_model.policy 'fedasync' has no mid-round dropout"),
 ], ids=["missing-file", "malformed-csv", "not-a-number", "missing-column", "missing-client",
         "negative-bandwidth", "duplicate-client", "no-path", "file-without-profiles-file",
-        "missing-trace", "unknown-availability", "p-above-1", "p-zero", "markov-p-zero",
+        "missing-trace", "trace-end-before-start", "trace-missing-column", "unknown-availability", "p-above-1", "p-zero", "markov-p-zero",
         "diurnal-base", "dropout-1", "without-clock", "async-availability", "async-dropout"])
 def test_bad_availability_or_profile_file_is_a_one_line_error(tmp_path, section, message):
     with pytest.raises(UsageError) as err:
