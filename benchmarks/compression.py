@@ -82,7 +82,7 @@ def main() -> None:
     subprocess.run(fedmpi + ["report", *paths, *groups, "--columns", "final,best,upload,per_round",
                              "--format", "markdown"], check=True)
     args.figure.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run(fedmpi + ["plot", *paths, *groups, "--x", "upload", "--smooth", "0.9",
+    subprocess.run(fedmpi + ["plot", *paths, *groups, "--x", "upload", "--log-x",
                              "-o", str(args.figure), "--title",
                              f"FedAvg, Fashion-MNIST, 100 clients Dir(0.3), {args.rounds} rounds"],
                    check=True)

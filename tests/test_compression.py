@@ -293,3 +293,7 @@ def test_report_and_plot_show_the_compressed_upload(tmp_path):
     xs, _ = ax.get_lines()[0].get_data()
     np.testing.assert_allclose(xs, np.cumsum(rounds["fl_bytes_up"])[np.isfinite(rounds["test_acc"])] / 1e6)
     assert ax.get_xlabel() == "cumulative FL upload (MB)"
+    out = tmp_path / "up.png"
+    result = CliRunner().invoke(commands, ["plot", *paths, "--x", "upload", "--log-x", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

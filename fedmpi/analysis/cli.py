@@ -76,11 +76,13 @@ def report(sources, strict, group_by, smooth, at, target, fmt, columns, complete
                    "compression cuts), wall time (s) or virtual time (h, runs with "
                    "system_model.profiles on); default round.")
 @click.option("--title", help="Figure title (default: the settings all runs share).")
+@click.option("--log-x", is_flag=True, help="A logarithmic x axis (for traffic across codecs "
+                                            "that differ by orders of magnitude).")
 @click.option("--spectrum", is_flag=True,
               help="Plot the feature spectrum of self-supervised runs instead (/eval: the top "
                    "100 singular values, log10, of each run's last probe; FedU^2 Figure 3).")
 @one_line_errors
-def plot(sources, strict, group_by, smooth, output, x_axis, title, spectrum):
+def plot(sources, strict, group_by, smooth, output, x_axis, title, log_x, spectrum):
     """Plot test accuracy of runs against rounds, FL traffic, wall or virtual time into one figure.
 
     One line per run, or with --group-by one line per group (the mean, with a band of
@@ -92,7 +94,7 @@ def plot(sources, strict, group_by, smooth, output, x_axis, title, spectrum):
         raise UsageError("fedmpi plot needs -o FILE, e.g. -o fig.png")
     runs = load_runs(sources, strict, False)
     path = save_plot(runs, output, x=x_axis, group_by=list(group_by), smooth=parse_smooth(smooth),
-                     title=title, spectrum=spectrum)
+                     title=title, spectrum=spectrum, log_x=log_x)
     click.echo(f"wrote {path}")
 
 

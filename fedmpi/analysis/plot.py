@@ -83,8 +83,9 @@ def plot_spectrum(runs, ax, top: int = 100):
 
 
 def save_plot(runs, path, x: str = "round", group_by=None, smooth: float | None = None,
-              title: str | None = None, spectrum: bool = False) -> Path:
-    """Write the figure to ``path``; the format comes from its suffix (.png, .pdf, .svg)."""
+              title: str | None = None, spectrum: bool = False, log_x: bool = False) -> Path:
+    """Write the figure to ``path``; the format comes from its suffix (.png, .pdf, .svg).
+    ``log_x``: a logarithmic x axis (points at x = 0, such as round 0, are left out)."""
     figure, canvas = _figure()
     path = Path(path)
     formats = canvas.get_supported_filetypes()
@@ -96,6 +97,8 @@ def save_plot(runs, path, x: str = "round", group_by=None, smooth: float | None 
         plot_spectrum(runs, ax)
     else:
         plot_accuracy(runs, ax, x, group_by, smooth)
+    if log_x:
+        ax.set_xscale("log", nonpositive="mask")
     ax.set_title(title if title is not None else default_title(runs), fontsize="medium")
     figure.tight_layout()
     try:
