@@ -37,6 +37,21 @@ def mpirun(n, args, timeout=600, env=None, check=True):
     return proc
 
 
+def mpirun_configs(n, configs: dict, tmp: Path) -> dict:
+    """Several experiments under one real ``mpirun -n n`` (tests/mpi_scripts/run_configs.py:
+    one after another in one MPI job; each launch costs every rank's Python and torch
+    imports). ``configs``: name -> config values; returns name -> results path."""
+    from fedmpi.config import to_toml
+
+    args, outputs = [], {}
+    for name, values in configs.items():
+        path, outputs[name] = tmp / f"{name}.toml", tmp / f"{name}-n{n}.h5"
+        path.write_text(to_toml(values))
+        args += [str(path), str(outputs[name])]
+    mpirun(n, [sys.executable, str(Path(__file__).parent / "mpi_scripts" / "run_configs.py")] + args)
+    return outputs
+
+
 def fedmpi(args, timeout=600, check=False, cwd=None):
     """The real command line, in a subprocess."""
     proc = subprocess.run([sys.executable, "-m", "fedmpi"] + args, capture_output=True,

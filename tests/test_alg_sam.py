@@ -4,7 +4,6 @@ clients, the reductions between methods, exact FL traffic, and bitwise
 single-process == mpirun in deterministic mode."""
 
 import math
-import sys
 
 import numpy as np
 import pytest
@@ -23,9 +22,9 @@ from fedmpi.flat import FlatModel
 from fedmpi.results import RunFile
 from fedmpi.runtime import run_experiment
 
-from conftest import mpirun, needs_mpi
+from conftest import mpirun_configs, needs_mpi
 from harness import Simulation, quadratic_task
-from helpers import TINY, merged, write_config
+from helpers import TINY, merged
 
 ALGS = ["fedcm", "fedsam", "mofedsam", "fedmrur"]
 DOWN = {"fedcm": 2, "fedsam": 1, "mofedsam": 2, "fedmrur": 2}   # payload per client, in d
@@ -349,13 +348,18 @@ def test_fl_bytes_are_the_declared_messages(single):
                                        clients.reshape(2, -1).mean(axis=1), rtol=1e-12)
 
 
+@pytest.fixture(scope="module")
+def three_ranks(tmp_path_factory):
+    """Every algorithm's run under one real ``mpirun -n 3``."""
+    return mpirun_configs(3, {name: merged(TINY, **tiny(name)) for name in ALGS},
+                          tmp_path_factory.mktemp("n3"))
+
+
 @pytest.mark.slow
 @needs_mpi
-def test_mpirun_is_bitwise_single_process(single, tmp_path):
+def test_mpirun_is_bitwise_single_process(single, three_ranks):
     name, _, path = single
-    config = write_config(tmp_path / "det.toml", **tiny(name))
-    mpirun(3, [sys.executable, "-m", "fedmpi", "run", "-q", str(config), "-o", str(tmp_path / "n3.h5")])
-    with RunFile(path) as a, RunFile(tmp_path / "n3.h5") as b:
+    with RunFile(path) as a, RunFile(three_ranks[name]) as b:
         assert b.status == "completed" and b.attrs["world_size"] == 3
         assert np.array_equal(a.model(), b.model())
         assert np.array_equal(a.rounds()["train_loss"], b.rounds()["train_loss"], equal_nan=True)

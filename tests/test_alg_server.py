@@ -3,7 +3,6 @@
 between methods, exact FL bytes, mpirun == single process, and the presets."""
 
 import math
-import sys
 
 import numpy as np
 import pytest
@@ -17,7 +16,7 @@ from fedmpi.errors import UsageError
 from fedmpi.results import RunFile
 from fedmpi.runtime import run_experiment
 
-from conftest import fedmpi, mpirun, needs_mpi
+from conftest import fedmpi, mpirun_configs, needs_mpi
 from harness import Simulation, context, quadratic_task
 from helpers import TINY, merged
 
@@ -342,27 +341,13 @@ def test_fl_bytes_are_d_down_d_up(single_runs, name):
             assert np.isnan(rounds["fedexp_step"][0]) and np.all(rounds["fedexp_step"][1:] >= 1.0)
 
 
-MPI_SCRIPT = """
-import sys
-from fedmpi import config as cfg
-from fedmpi.runtime import run_experiment
-for path in sys.argv[1:]:
-    run_experiment(cfg.resolve(path), quiet=True)
-"""
-
-
 @pytest.fixture(scope="module")
 def three_rank_runs(tmp_path_factory):
-    """The same configs under one real ``mpirun -n 3`` (one launch for all four: each
-    launch costs three torch imports on a 2-core machine)."""
+    """The same configs under one real ``mpirun -n 3`` (one launch for all: each launch
+    costs three torch imports on a 2-core machine)."""
     tmp = tmp_path_factory.mktemp("n3")
-    configs = []
-    for name in ALGORITHMS:
-        configs.append(tmp / f"{name}.toml")
-        configs[-1].write_text(cfg.to_toml(tiny_values(name, tmp / f"{name}.h5")))
-    (tmp / "run_all.py").write_text(MPI_SCRIPT)
-    mpirun(3, [sys.executable, str(tmp / "run_all.py")] + [str(c) for c in configs])
-    return {name: tmp / f"{name}.h5" for name in ALGORITHMS}
+    return mpirun_configs(3, {name: tiny_values(name, tmp / f"{name}.h5") for name in ALGORITHMS},
+                          tmp)
 
 
 @pytest.mark.slow

@@ -5,7 +5,6 @@ runs: single process vs `mpirun -n 3` bitwise, FL bytes d down / d up."""
 
 import copy
 import math
-import sys
 
 import numpy as np
 import pytest
@@ -23,8 +22,8 @@ from fedmpi.models import build_model
 from fedmpi.results import RunFile
 from fedmpi.runtime import run_experiment
 
-from conftest import fedmpi, mpirun, needs_mpi
-from helpers import SSL, merged, write_config
+from conftest import fedmpi, mpirun_configs, needs_mpi
+from helpers import SSL, merged
 
 HEADS = {"proj_dim": 6, "proj_hidden": 8, "pred_hidden": 5}
 BACKBONE = {"hidden": 8, "channels": [2, 3]}
@@ -256,15 +255,22 @@ def test_fedu_with_infinite_mu_is_fedbyol_and_with_zero_mu_is_not(tmp_path):
         assert not np.array_equal(byol.model(), local.model())
 
 
+MPI_CASES = ["fedsimsiam", "fedbyol", "fedu", "fedema"]
+
+
+@pytest.fixture(scope="module")
+def three_ranks(tmp_path_factory):
+    """Each case under one real ``mpirun -n 3``."""
+    return mpirun_configs(3, {name: merged(SSL, algorithm={"name": name}) for name in MPI_CASES},
+                          tmp_path_factory.mktemp("n3"))
+
+
 @pytest.mark.slow
 @needs_mpi
-@pytest.mark.parametrize("name", ["fedsimsiam", "fedbyol", "fedu", "fedema"])
-def test_mpirun_is_bitwise_single_process_and_traffic_is_d_d(tmp_path, name):
+@pytest.mark.parametrize("name", MPI_CASES)
+def test_mpirun_is_bitwise_single_process_and_traffic_is_d_d(tmp_path, three_ranks, name):
     exp, single = run_single(tmp_path, name)
-    config = write_config(tmp_path / "c.toml", SSL, algorithm={"name": name})
-    out = tmp_path / "n3.h5"
-    mpirun(3, [sys.executable, "-m", "fedmpi", "run", "-q", str(config), "-o", str(out)])
-    with single as a, RunFile(out) as b:
+    with single as a, RunFile(three_ranks[name]) as b:
         assert np.array_equal(a.model(), b.model())
         assert np.array_equal(a.rounds()["train_loss"], b.rounds()["train_loss"], equal_nan=True)
         assert np.array_equal(a.rounds()["test_acc"], b.rounds()["test_acc"])   # round 0's kNN too

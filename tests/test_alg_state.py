@@ -3,7 +3,6 @@ between methods, MOON's loss and projection head, exact FL traffic through the
 runtime, and mpirun -n 3 bitwise equal to one process."""
 
 import math
-import sys
 
 import numpy as np
 import pytest
@@ -19,9 +18,9 @@ from fedmpi.flat import FlatModel
 from fedmpi.models import build_model, check_options
 from fedmpi.results import RunFile
 
-from conftest import mpirun, needs_mpi
+from conftest import mpirun_configs, needs_mpi
 from harness import Simulation, context, quadratic_task
-from helpers import TINY, merged, write_config
+from helpers import TINY, merged
 from test_runtime import run_tiny
 
 CENTERS = {0: [1.0, 0.0], 1: [0.0, 3.0], 2: [-2.0, 1.0], 3: [2.0, 2.0]}
@@ -411,14 +410,18 @@ def test_moon_is_fedavg_until_a_client_has_a_previous_model(single, tmp_path):
         assert moon.config["algorithm"]["first_participation"] == "skip"
 
 
+@pytest.fixture(scope="module")
+def three_ranks(tmp_path_factory):
+    """Every case under one real ``mpirun -n 3``."""
+    return mpirun_configs(3, {name: small_config(name) for name in CASES},
+                          tmp_path_factory.mktemp("n3"))
+
+
 @pytest.mark.slow
 @needs_mpi
 @pytest.mark.parametrize("name", CASES)
-def test_mpirun_three_ranks_is_bitwise_the_single_process_run(single, tmp_path, name):
-    config = write_config(tmp_path / f"{name}.toml", base=small_config(name))
-    out = tmp_path / f"{name}-n3.h5"
-    mpirun(3, [sys.executable, "-m", "fedmpi", "run", "-q", str(config), "-o", str(out)])
-    with RunFile(single[name][0].output_path()) as a, RunFile(out) as b:
+def test_mpirun_three_ranks_is_bitwise_the_single_process_run(single, three_ranks, name):
+    with RunFile(single[name][0].output_path()) as a, RunFile(three_ranks[name]) as b:
         assert b.status == "completed" and b.attrs["world_size"] == 3
         assert np.array_equal(a.model(), b.model())
         assert np.array_equal(a.rounds()["train_loss"], b.rounds()["train_loss"], equal_nan=True)

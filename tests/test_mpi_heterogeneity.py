@@ -2,16 +2,18 @@
 client population, under real mpirun, bitwise equal to the single-process run."""
 
 import importlib.util
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from fedmpi import config as cfgmod
+from fedmpi.comm import LocalComm
 from fedmpi.results import RunFile
+from fedmpi.runtime import run_experiment
 
-from conftest import fedmpi, mpirun, needs_mpi
-from helpers import TINY, write_config
+from conftest import mpirun_configs, needs_mpi
+from helpers import TINY, merged
 
 pytestmark = needs_mpi
 needs_fmnist = pytest.mark.skipif(not Path("/usr/share/datasets/fashion-mnist").is_dir(),
@@ -33,10 +35,9 @@ SETTINGS = {
 }
 
 
-def run_both(tmp_path, config):
-    fedmpi(["run", "-q", str(config), "-o", str(tmp_path / "single.h5")], check=True)
-    mpirun(3, [sys.executable, "-m", "fedmpi", "run", "-q", str(config), "-o", str(tmp_path / "n3.h5")])
-    return RunFile(tmp_path / "single.h5"), RunFile(tmp_path / "n3.h5")
+def run_single(values: dict, path: Path) -> RunFile:
+    run_experiment(cfgmod.from_dict({**values, "output": str(path)}), LocalComm(), quiet=True)
+    return RunFile(path)
 
 
 @pytest.mark.slow
@@ -49,9 +50,8 @@ def test_shakespeare_natural_clients_with_the_lstm(tmp_path):
                    "model": {"name": "lstm", "hidden": 32}, "algorithm": {"name": "fedacg"},
                    "train": {"batch_size": 20, "lr": 1.0}, "eval": {"batch_size": 250},
                    "system": {"deterministic": True}}
-    config = write_config(tmp_path / "shakespeare.toml", shakespeare)
-    a, b = run_both(tmp_path, config)
-    with a, b:
+    three = mpirun_configs(3, {"shakespeare": shakespeare}, tmp_path)
+    with run_single(shakespeare, tmp_path / "single.h5") as a, RunFile(three["shakespeare"]) as b:
         assert b.status == "completed" and np.array_equal(a.model(), b.model())
         assert np.array_equal(a.rounds()["test_loss"], b.rounds()["test_loss"])
         sizes, counts = b.partition()["client_sizes"], b.partition()["class_counts"]
@@ -59,13 +59,19 @@ def test_shakespeare_natural_clients_with_the_lstm(tmp_path):
         assert np.all(b.rounds()["test_loss"][1:] < np.log(81))  # trained: better than a uniform guess
 
 
+@pytest.fixture(scope="module")
+def three_ranks(tmp_path_factory):
+    """Both settings under one real ``mpirun -n 3``."""
+    return mpirun_configs(3, {name: merged(FMNIST, **SETTINGS[name]) for name in SETTINGS},
+                          tmp_path_factory.mktemp("n3"))
+
+
 @pytest.mark.slow
 @needs_fmnist
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
-def test_fashion_mnist_setting_under_mpirun_matches_single_process(tmp_path, setting):
-    config = write_config(tmp_path / f"{setting}.toml", FMNIST, **SETTINGS[setting])
-    a, b = run_both(tmp_path, config)
-    with a, b:
+def test_fashion_mnist_setting_under_mpirun_matches_single_process(tmp_path, three_ranks, setting):
+    a = run_single(merged(FMNIST, **SETTINGS[setting]), tmp_path / "single.h5")
+    with a, RunFile(three_ranks[setting]) as b:
         assert a.status == b.status == "completed"
         assert np.array_equal(a.model(), b.model())
         assert np.array_equal(a.rounds()["test_acc"], b.rounds()["test_acc"])
