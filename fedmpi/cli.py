@@ -199,6 +199,7 @@ def algorithms(plugins):
     """List the algorithms with their parameters and defaults."""
     from .algorithms import REGISTRY, message_sizes, params_table
     from .config import import_plugins
+    from .config.validate import async_refusal
 
     import_plugins(list(plugins))
     for name in sorted(REGISTRY):
@@ -208,6 +209,10 @@ def algorithms(plugins):
         if doc:
             click.echo(f"    {doc[0]}")
         click.echo(f"    messages per client: {message_sizes(cls)}")
+        declared = cls().compressible(1)
+        click.echo(f"    compressible up: {', '.join(declared['up']) or 'none'}; down: "
+                   f"{', '.join(declared['down']) or 'none'}; asynchronous (fedbuff, fedasync): "
+                   f"{'no' if async_refusal(name) else 'yes'}")
         rows = params_table(cls)
         for field, default, help_text in rows:
             click.echo(f"    algorithm.{field} = {default!r}    {help_text}")

@@ -303,6 +303,10 @@ def test_algorithms_command_lists_them_with_parameters():
                         ("fedexp", "average_iterates = False"), ("fedacg", "lam = 0.85")):
         assert "messages per client: down d, up d" in blocks[name]
         assert any(line.startswith(f"algorithm.{param} ") for line in blocks[name])
+    assert "compressible up: delta; down: x; asynchronous (fedbuff, fedasync): yes" in blocks["fedavg"]
+    assert "compressible up: delta, delta_c; down: x, c; asynchronous (fedbuff, fedasync): no" \
+        in blocks["scaffold"]
+    assert "compressible up: none; down: none; asynchronous (fedbuff, fedasync): no" in blocks["fnrfl"]
 
 
 # ---- the real runtime: FL bytes, mpirun == single process ---------------------------------
