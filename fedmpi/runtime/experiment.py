@@ -141,8 +141,9 @@ class Experiment:
 
     def _measure_step_time(self) -> float | None:
         """``system_model.measure_step_time``: seconds a local step (or a sample, by
-        ``step_unit``) of this model and batch size takes on the first worker's device, measured on the client of median size
-        (one local update to warm up, one timed); the server's value, None elsewhere."""
+        ``step_unit``) of this model and batch size takes on the first worker's device,
+        from the client of median size: one local update to warm up, then one timed. The
+        server's value, None elsewhere."""
         cfg, comm = self.config, self.comm
         seconds = None
         if comm.is_worker and comm.worker_index == 0:
@@ -150,7 +151,7 @@ class Experiment:
             ctx = round_context(cfg, 0, self.alg.phases[0], [c])
             x = self.flat.params.detach().clone()
             with numerics(self.device, cfg.system.precision, cfg.system.deterministic):
-                for timed in (False, True):
+                for _ in range(2):   # the first warms up; the second's time is kept
                     if self.device.type == "cuda":
                         torch.cuda.synchronize(self.device)
                     t0 = time.perf_counter()
