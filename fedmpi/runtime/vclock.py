@@ -4,16 +4,20 @@ can take part in it.
 With ``[system_model]`` on, every client has a device profile (``profiles``): drawn once
 from the seed (``"lognormal"``: a speed multiplier of the reference step time and a
 downlink and uplink bandwidth, lognormal around the configured medians, plus a fixed
-latency) or read from a table (``"file"``: ``profile_file``, a CSV with a header row or an
-.npz with the columns client, speed, down_mbps, up_mbps, latency; every client id of the
-population exactly once). A client's participation then takes, from the round's start,
+latency; ``"tiers"``: one of the named tiers, drawn by share) or read from a table
+(``"file"``: ``profile_file``, a CSV with a header row or an .npz with the columns client,
+speed, down_mbps, up_mbps, latency; every client id of the population exactly once). A
+client's participation then takes, from the round's start,
 
     download = bytes_down * 8 / downlink + latency
     compute  = local steps * step_time / speed
     upload   = bytes_up * 8 / uplink + latency
 
-with the bytes of the exact FL ledger (what the algorithm declares it sends) and the
-local steps its data gives (E ceil(n_i / B)). All of it is known before anyone trains,
+with the bytes of the exact FL ledger (what the algorithm declares it sends, at the
+codecs' encoded sizes) and the local steps its data gives (E ceil(n_i / B); or its E n_i
+samples with ``step_unit = "sample"``). ``step_time`` is given or measured at start-up
+(``measure_step_time``). A method with later phases (FNR-FL's refinement) has them timed
+after the first (``later_phase``). All of it is known before anyone trains,
 so the server decides who finishes in time at sampling (``schedule``), and the clients
 that would not are not trained at all: their work would be wasted, and the file says
 how many they were. Round policies (``system_model.policy``):
@@ -49,6 +53,7 @@ Mid-round dropout (``system_model.dropout``): each selected client drops out dur
 participation with this probability; it downloaded but never uploads, so it is decided at
 sampling, not trained, and counted with the dropped clients (as the deadline's late ones);
 the round's policy applies to those who stay (the server does not wait for the others).
+The clients a round drops get /clients rows of their own (``dropped_rows``).
 
 Every draw is keyed by (seed, round, client) through fedmpi.runtime.rng, vectorised over
 the whole population: the virtual times are a pure function of (seed, round, profiles,
