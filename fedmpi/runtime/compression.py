@@ -192,17 +192,19 @@ class Compression:
             flat = v.reshape(-1).float()
             generator = torch_generator(self.seed, "compress", *key, i) \
                 if self.up.name in RANDOM else None
-            memory = None if state is None else state.get(f"{self.feedback}_{name}")
-            memory = torch.zeros_like(flat) if memory is None else \
-                torch.as_tensor(memory).to(flat.device)
-            if self.feedback == "ef":
-                sent = self.up.decode(flat + memory, generator)
-                new[f"ef_{name}"] = flat + memory - sent
-            elif self.feedback == "ef21":
-                sent = memory + self.up.decode(flat - memory, generator)
-                new[f"ef21_{name}"] = sent
-            else:
+            if self.feedback is None:
                 sent = self.up.decode(flat, generator)
+            else:
+                key_name = f"{self.feedback}_{name}"
+                memory = None if state is None else state.get(key_name)
+                memory = torch.zeros_like(flat) if memory is None else \
+                    torch.as_tensor(memory).to(flat.device)
+                if self.feedback == "ef":   # send C(v + e), keep what it dropped
+                    sent = self.up.decode(flat + memory, generator)
+                    new[key_name] = flat + memory - sent
+                else:                       # ef21: send C(v - g), g moves to the decoded
+                    sent = memory + self.up.decode(flat - memory, generator)
+                    new[key_name] = sent
             decoded = sent.reshape(v.shape).to(v.dtype)
             if name == "delta":
                 upload.delta = decoded
