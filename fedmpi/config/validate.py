@@ -189,8 +189,8 @@ def _validate_system_model(c: ExperimentConfig) -> None:
                          ("measure_step_time", m.measure_step_time)):
             if on:
                 raise field_error(f"system_model.{name}", "runs on the virtual clock: set "
-                                                          "system_model.profiles = \"lognormal\" "
-                                                          "or \"file\"")
+                                                          "system_model.profiles (\"lognormal\", "
+                                                          "\"tiers\" or \"file\")")
         return
     if m.policy in ASYNC_MODES:
         _validate_async(c)
