@@ -20,7 +20,7 @@ import math
 import numpy as np
 
 from fedmpi.analysis import render
-from fedmpi.analysis.metrics import HOUR, has_virtual_clock, target_name
+from fedmpi.analysis.metrics import HOUR, has_virtual_clock, target_name, traffic_per_round_mb
 from fedmpi.analysis.runs import get_key
 from fedmpi.analysis.tables import group_keys, group_table
 from fedmpi.errors import UsageError
@@ -141,8 +141,8 @@ def _traffic(rounds: dict) -> list[tuple[str, str]]:
     if down is not None or up is not None:
         total = (down or 0) + (up or 0)
         split = f": {_mb(down or 0)} down, {_mb(up or 0)} up"
-        trained = int(np.sum(np.asarray(rounds.get("round", ())) > 0))
-        per_round = f"; {_mb(total / trained)} a round" if trained else ""
+        per_round = traffic_per_round_mb(rounds)
+        per_round = f"; {per_round:.2f} MB a round" if math.isfinite(per_round) else ""
         lines.append(("FL traffic", f"{_mb(total)} ({total} bytes){split}{per_round}"))
     mpi = _total(rounds, "mpi_bytes")
     if mpi is not None:

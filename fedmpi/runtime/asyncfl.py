@@ -45,6 +45,7 @@ import torch
 from .plan import sample_clients
 
 MODES = ("fedasync", "fedbuff")
+STATE_KEYS = ("async_versions", "async_version_ids")   # what a checkpoint keeps (state_dict)
 STALENESS = ("constant", "polynomial")
 CLIENT_FIELDS = ["staleness"]
 
@@ -189,11 +190,11 @@ class AsyncServer:
         """What a checkpoint keeps: the versions in flight (the schedule is replayed)."""
         ids = sorted(self.models)
         stacked = np.stack([self.models[v].numpy() for v in ids]) if ids else np.zeros((0, 0), np.float32)
-        return {"async_versions": stacked, "async_version_ids": np.array(ids, dtype=np.int64)}
+        return dict(zip(STATE_KEYS, (stacked, np.array(ids, dtype=np.int64))))
 
     def load_state_dict(self, saved: dict) -> None:
-        self.models = {int(v): torch.from_numpy(np.array(x)) for v, x in
-                       zip(saved["async_version_ids"], saved["async_versions"])}
+        versions, ids = (saved[k] for k in STATE_KEYS)
+        self.models = {int(v): torch.from_numpy(np.array(x)) for v, x in zip(ids, versions)}
 
 
 def concurrency(config) -> int:

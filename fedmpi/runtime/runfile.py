@@ -104,17 +104,14 @@ def load_checkpoint(exp, ckpt) -> None:
         raise UsageError(f"checkpoint lacks server state {missing} of algorithm "
                          f"{exp.config.algorithm.name!r}")
     exp.state = {k: torch.from_numpy(np.array(v)) for k, v in ckpt.server.items()}
-    saved = {k: exp.state.pop(k).numpy() for k in ASYNC_STATE if k in exp.state}
+    saved = {k: exp.state.pop(k).numpy() for k in asyncfl.STATE_KEYS if k in exp.state}
     if exp.asynchronous is not None:
-        if len(saved) < len(ASYNC_STATE):
+        if len(saved) < len(asyncfl.STATE_KEYS):
             raise UsageError(f"checkpoint lacks the model versions of the clients in flight "
                              f"(system_model.policy {exp.config.system_model.policy!r})")
         exp.asynchronous.load_state_dict(saved)
     exp.store.load_state_dict(ckpt.states())
     exp.start = ckpt.round
-
-
-ASYNC_STATE = ("async_versions", "async_version_ids")
 
 
 def input_digests(cfg) -> dict[str, str]:
