@@ -104,6 +104,17 @@ def test_qsgd_levels_and_buckets():
                                        abs(round(abs(y) / norm * 7) - abs(y) / norm * 7) < 1e-5)
 
 
+def test_qsgd_bucket_past_the_vector_is_one_bucket_without_allocating_it():
+    """A bucket larger than the vector (here 10^12 values, 4 TB if allocated) is the one
+    bucket of the whole vector: the same decode and byte count as bucket = 0, in the
+    vector's memory. Found by a hostile config that the kernel's OOM killer ended."""
+    v = torch.randn(300, generator=torch.Generator().manual_seed(2))
+    huge, whole = Codec("qsgd", bits=4, bucket=10**12), Codec("qsgd", bits=4)
+    assert torch.equal(huge.decode(v, torch_generator(0, "q", 1)),
+                       whole.decode(v, torch_generator(0, "q", 1)))
+    assert huge.encoded_bytes(300) == whole.encoded_bytes(300)
+
+
 def test_error_feedback_keeps_what_was_not_sent():
     """Classic EF: e = (v + e_prev) - decoded each time, so sum(decoded) + e_T = sum(v)."""
     c = cfg.from_dict(merged(TINY, compression={"up": "topk", "fraction": 0.05,

@@ -128,7 +128,7 @@ class Codec:
 
     def _qsgd(self, v: torch.Tensor, generator) -> torch.Tensor:
         n, s = v.numel(), 2 ** self.bits - 1
-        size = self.bucket or n
+        size = min(self.bucket, n) if self.bucket else n   # a bucket past the end is the vector
         rows = -(-n // size)
         padded = torch.zeros(rows * size, dtype=v.dtype, device=v.device)
         padded[:n] = v
