@@ -76,6 +76,27 @@ def test_plot_bad_input_is_one_line_and_exit_2(runs_dir, tmp_path):
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and says in proc.stderr, proc.stderr
 
 
+def test_plot_y_from_starts_the_accuracy_axis_there(runs_dir, tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    figures = []
+    make = fa.plot._figure
+    monkeypatch.setattr(fa.plot, "_figure", lambda: figures.append(make()) or figures[-1])
+    runs = fa.load(runs_dir)
+    fa.plot.save_plot(runs, tmp_path / "a.png", y_from=0.6)
+    low, high = figures[-1][0].axes[0].get_ylim()
+    assert low == 60 and 82 < high < 90    # the data's top (82%) plus matplotlib's margin
+    fa.plot.save_plot(runs, tmp_path / "b.png", y_from=1.0)   # above every point: not inverted
+    assert figures[-1][0].axes[0].get_ylim() == (100, 101)
+    proc = run_cli(["plot", runs_dir, "-o", tmp_path / "c.png", "--y-from", "60%"])
+    assert proc.returncode == 0 and (tmp_path / "c.png").read_bytes()[:8] == PNG, proc.stderr
+    for args, says in ((["--y-from", "1.5"], "--y-from '1.5': give a fraction in (0, 1]"),
+                       (["--y-from", "nan"], "--y-from"),
+                       (["--y-from", "0.6", "--spectrum"], "--y-from is for accuracy curves")):
+        proc = run_cli(["plot", runs_dir, "-o", tmp_path / "d.png", *args])
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and says in proc.stderr, proc.stderr
+    assert not (tmp_path / "d.png").exists()
+
+
 def test_plot_without_matplotlib_says_how_to_get_it(runs_dir, tmp_path):
     code = ("import sys; sys.modules['matplotlib'] = None; "  # makes `import matplotlib` fail
             "from fedmpi.analysis.cli import commands; commands(sys.argv[1:])")

@@ -78,11 +78,14 @@ def report(sources, strict, group_by, smooth, at, target, fmt, columns, complete
 @click.option("--title", help="Figure title (default: the settings all runs share).")
 @click.option("--log-x", is_flag=True, help="A logarithmic x axis (for traffic across codecs "
                                             "that differ by orders of magnitude).")
+@click.option("--y-from", metavar="ACC",
+              help="Start the accuracy axis at ACC (0.6 or 60%), to tell apart curves that "
+                   "end a point apart.")
 @click.option("--spectrum", is_flag=True,
               help="Plot the feature spectrum of self-supervised runs instead (/eval: the top "
                    "100 singular values, log10, of each run's last probe; FedU^2 Figure 3).")
 @one_line_errors
-def plot(sources, strict, group_by, smooth, output, x_axis, title, log_x, spectrum):
+def plot(sources, strict, group_by, smooth, output, x_axis, title, log_x, y_from, spectrum):
     """Plot test accuracy of runs against rounds, FL traffic, wall or virtual time into one figure.
 
     One line per run, or with --group-by one line per group (the mean, with a band of
@@ -92,9 +95,12 @@ def plot(sources, strict, group_by, smooth, output, x_axis, title, log_x, spectr
 
     if not output:
         raise UsageError("fedmpi plot needs -o FILE, e.g. -o fig.png")
+    if y_from is not None and spectrum:
+        raise UsageError("--y-from is for accuracy curves; --spectrum plots singular values")
+    y_from = None if y_from is None else parse_accuracy("--y-from", y_from)
     runs = load_runs(sources, strict, False)
     path = save_plot(runs, output, x=x_axis, group_by=list(group_by), smooth=parse_smooth(smooth),
-                     title=title, spectrum=spectrum, log_x=log_x)
+                     title=title, spectrum=spectrum, log_x=log_x, y_from=y_from)
     click.echo(f"wrote {path}")
 
 
@@ -172,16 +178,18 @@ def parse_rounds(values) -> list[int]:
 
 def parse_targets(values) -> list[float]:
     """0.8 or 80%: accuracies are fractions in the files, percent in the papers."""
-    out = []
-    for text in values:
-        percent = text.strip().endswith("%")
-        number = parse_number("--target", text.strip().rstrip("%"))
-        target = number / 100 if percent else number
-        if not 0 < target <= 1 or (not percent and number > 1):
-            raise UsageError(f"--target {text!r}: give a fraction in (0, 1] such as 0.8, "
-                             "or a percentage such as 80%")
-        out.append(target)
-    return out
+    return [parse_accuracy("--target", text) for text in values]
+
+
+def parse_accuracy(option: str, text: str) -> float:
+    """An accuracy given as a fraction in (0, 1] (0.8) or a percentage (80%)."""
+    percent = text.strip().endswith("%")
+    number = parse_number(option, text.strip().rstrip("%"))
+    value = number / 100 if percent else number
+    if not 0 < value <= 1 or (not percent and number > 1):
+        raise UsageError(f"{option} {text!r}: give a fraction in (0, 1] such as 0.8, "
+                         "or a percentage such as 80%")
+    return value
 
 
 def parse_smooth(text) -> float | None:

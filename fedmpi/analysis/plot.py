@@ -83,9 +83,11 @@ def plot_spectrum(runs, ax, top: int = 100):
 
 
 def save_plot(runs, path, x: str = "round", group_by=None, smooth: float | None = None,
-              title: str | None = None, spectrum: bool = False, log_x: bool = False) -> Path:
+              title: str | None = None, spectrum: bool = False, log_x: bool = False,
+              y_from: float | None = None) -> Path:
     """Write the figure to ``path``; the format comes from its suffix (.png, .pdf, .svg).
-    ``log_x``: a logarithmic x axis (points at x = 0, such as round 0, are left out)."""
+    ``log_x``: a logarithmic x axis (points at x = 0, such as round 0, are left out).
+    ``y_from``: the accuracy (a fraction) where the y axis starts; the top stays automatic."""
     figure, canvas = _figure()
     path = Path(path)
     formats = canvas.get_supported_filetypes()
@@ -99,6 +101,8 @@ def save_plot(runs, path, x: str = "round", group_by=None, smooth: float | None 
         plot_accuracy(runs, ax, x, group_by, smooth)
     if log_x:
         ax.set_xscale("log", nonpositive="mask")
+    if y_from is not None:   # the automatic top, unless the data all lie below the start
+        ax.set_ylim(100 * y_from, max(ax.get_ylim()[1], 100 * y_from + 1))
     ax.set_title(title if title is not None else default_title(runs), fontsize="medium")
     figure.tight_layout()
     try:
