@@ -17,6 +17,10 @@ os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
 # tests Ctrl-C: an ignored signal is inherited through exec, a handled one is not.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+# Likewise a suite started under `nohup` still tests hang-up: the suite itself goes on
+# ignoring it (a handler that does nothing), while the runs it starts get the default.
+if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
+    signal.signal(signal.SIGHUP, lambda signum, frame: None)
 
 
 def mpirun_path():

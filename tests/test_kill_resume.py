@@ -219,6 +219,17 @@ def test_stop_signals_to_the_single_process_checkpoint_and_exit_75(tmp_path, ref
     assert_same_run(reference, out)
 
 
+def test_an_ignored_hang_up_stays_ignored(tmp_path, reference):
+    """Under `nohup` (SIGHUP ignored when fedmpi starts) a hang-up does not stop the run:
+    it completes, exit 0, the same bits as the reference."""
+    proc, out = launch(tmp_path, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    wait_until(lambda: rounds_in(out) >= 10, "10 rounds", proc=proc)
+    proc.send_signal(signal.SIGHUP)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert_same_run(reference, out)
+
+
 def test_second_ctrl_c_stops_at_once(tmp_path):
     marker = tmp_path / "evaluating"
     proc, out = launch(tmp_path, config=slow_config(tmp_path, marker, seconds=1.0))
