@@ -22,17 +22,22 @@ import signal
 import threading
 
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
-_requested = threading.Event()
+# A plain flag, not a threading.Event: a handler runs between two bytecodes of whatever the
+# main thread is doing, including another handler, and Event.set() takes a lock. A TERM
+# and a USR1 arriving together (scancel under srun delivers both) then deadlocked the rank
+# inside the first handler's set(), until KillWait's SIGKILL.
+_requested = False
 
 
 def _handler(signum, frame) -> None:
+    global _requested
     if signum == signal.SIGINT:
-        if _requested.is_set():
+        if _requested:
             raise KeyboardInterrupt
         if launcher_rank() == 0:
             os.write(2, b"\nfedmpi: Ctrl-C: stopping after this round (checkpoint, exit 75); "
                         b"Ctrl-C again stops now\n")
-    _requested.set()
+    _requested = True
 
 
 def launcher_rank() -> int:
@@ -64,8 +69,9 @@ def restore(previous: dict | None) -> None:
 
 
 def requested() -> bool:
-    return _requested.is_set()
+    return _requested
 
 
 def clear() -> None:
-    _requested.clear()
+    global _requested
+    _requested = False
