@@ -111,7 +111,12 @@ def _memory_mb() -> int:
 
 
 class LocalSlurm:
-    """One node, one partition (``debug``), daemons owned by this object."""
+    """One node, daemons owned by this object, two partitions on it: ``debug`` (the
+    default) and ``urgent``, whose jobs preempt debug's as a site's would: PreemptMode=REQUEUE
+    with ``GRACE_TIME`` seconds of grace (TERM to the job's steps, then requeue)."""
+
+    PARTITIONS = ("debug", "urgent")
+    GRACE_TIME = 60
 
     def __init__(self, root: Path | None = None, cpus: int | None = None):
         self.root = Path(root or tempfile.mkdtemp(prefix="fedmpi-slurm-"))
@@ -139,7 +144,8 @@ class LocalSlurm:
     def stop(self) -> None:
         """Cancel every job, wait for them to leave, end our daemons, remove the directory."""
         if "slurmctld" in self.procs and self.procs["slurmctld"].poll() is None:
-            self.client(["scancel", "--partition=debug"], check=False)
+            for partition in self.PARTITIONS:
+                self.client(["scancel", f"--partition={partition}"], check=False)
             deadline = time.time() + 30
             while time.time() < deadline and self.client(["squeue", "-h"], check=False).stdout.strip():
                 time.sleep(0.5)
@@ -189,12 +195,17 @@ class LocalSlurm:
             "KillWait=10",
             "InactiveLimit=0",
             "SchedulerParameters=sched_interval=2",
+            "PreemptType=preempt/partition_prio",
+            "PreemptMode=REQUEUE",
             "JobAcctGatherType=jobacct_gather/none",
             "AccountingStorageType=accounting_storage/none",
             "JobCompType=jobcomp/none",
             f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={self.cpus} "
             f"RealMemory={_memory_mb()} State=UNKNOWN",
-            f"PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP",
+            f"PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP "
+            f"PriorityTier=1 PreemptMode=REQUEUE GraceTime={self.GRACE_TIME}",
+            f"PartitionName=urgent Nodes={self.node} MaxTime=INFINITE State=UP "
+            f"PriorityTier=2 PreemptMode=OFF",
             "",
         ]))
         # Only read by cgroup plugins, which this config does not load; kept so a site
@@ -225,8 +236,8 @@ class LocalSlurm:
             for name, proc in self.procs.items():
                 if proc.poll() is not None:
                     raise SlurmUnavailable(f"{name} exited with {proc.returncode}: {self.log_tail(name)}")
-            out = self.client(["sinfo", "-h", "-N", "-o", "%T"], check=False).stdout.strip()
-            return out == "idle"
+            out = self.client(["sinfo", "-h", "-N", "-o", "%T"], check=False).stdout.split()
+            return set(out) == {"idle"}   # one line per partition
         self._wait(idle, timeout, "node never became idle")
 
     def _wait(self, ready, timeout: float, what: str) -> None:

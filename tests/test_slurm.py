@@ -162,6 +162,35 @@ def test_preempted_job_checkpoints_requeues_and_completes(cluster, launcher, tmp
     assert f"checkpointed after round {resumed_from[0]}" in text
 
 
+@pytest.mark.slow
+def test_preemption_with_grace_time_checkpoints_requeues_and_completes(cluster, launcher, tmp_path):
+    """A job in `urgent` preempts ours (PreemptMode=REQUEUE, GraceTime 60 s). SLURM sends
+    TERM to the job's steps only and would requeue the job when the grace ends, but not
+    once it has exited: the ranks checkpoint and exit 75 at once, and the template, seeing
+    the job's PreemptTime, requeues it. After the urgent job the run resumes and completes.
+    (Under FEDMPI_LAUNCHER=mpirun the ranks are in no step: TERM reaches nobody and the run
+    goes on through the grace; it completes all the same.)"""
+    rounds = 300
+    config = write_config(tmp_path / "long.toml", rounds=rounds, output="long.h5",
+                          system={"checkpoint_every": 5})
+    output = tmp_path / "long.h5"
+    job = submit(cluster, "single_node.sbatch", [config.name], tmp_path, ["--ntasks=3"], launcher)
+    _wait_for_first_round(cluster, job, output, tmp_path)
+    urgent = cluster.sbatch(["--partition=urgent", "--exclusive", *CPU[:1], f"--chdir={tmp_path}",
+                             f"--output={tmp_path / 'urgent.out'}", "--wrap", "sleep 1"])
+    (state,) = finished(cluster, job, tmp_path, timeout=300)
+    finished(cluster, urgent, tmp_path)
+    with open_run(output) as run:
+        assert run.status == "completed"
+        assert list(run.rounds()["round"]) == list(range(0, rounds + 1))
+        resumed_from = [entry["round"] for entry in run.attrs["resumes"]]
+    if launcher == "srun":
+        text = logs(tmp_path)
+        assert int(state["Restarts"]) == 1, text
+        assert "preempted, checkpointed (exit 75); requeueing job" in text, text
+        assert len(resumed_from) == 1 and f"checkpointed after round {resumed_from[0]}" in text
+
+
 def _wait_for_first_round(cluster, job: str, output: Path, tmp_path: Path, timeout: float = 120):
     deadline = time.time() + timeout
     while time.time() < deadline:
