@@ -67,9 +67,10 @@ def _resolve(config_file, preset, overrides, output=None):
 def run(config_file, preset, overrides, output, force, resume_file, quiet):
     """Run an experiment: CONFIG_FILE (TOML) or --preset, single process or under mpirun.
 
-    Exit codes: 0 done, 1 diverged or crashed, 2 bad input, 75 checkpointed on
-    SIGUSR1/SIGTERM/SIGHUP or a Ctrl-C (preemption, scancel): run again with --resume FILE
-    to continue; 130 stopped at once by a second Ctrl-C (resumes from the last checkpoint).
+    Exit codes: 0 done, 1 diverged, crashed or the storage full, 2 bad input, 75
+    checkpointed on SIGUSR1/SIGTERM/SIGHUP or a Ctrl-C (preemption, scancel) or before the
+    results file's disk filled up: run again with --resume FILE to continue; 130 stopped at
+    once by a second Ctrl-C (resumes from the last checkpoint).
     """
     from . import signals
 

@@ -189,3 +189,23 @@ def wait_for_rounds(path, n, timeout=120):
             pass
         time.sleep(0.05)
     raise AssertionError(f"{path} never reached {n} rounds")
+
+
+def test_checkpoint_growth_counts_only_what_the_next_slot_lacks(tmp_path):
+    """What the storage guard reserves for a checkpoint: both slots filled in place, the
+    next one adds nothing until a client without a row gets a state."""
+    server = {"x": np.zeros(10, np.float32)}            # 40 bytes
+    states = lambda ids: [(c, {"s": np.ones(3, np.float32)}) for c in ids]  # noqa: E731
+    with h5py.File(tmp_path / "c.h5", "w") as f:
+        assert ckpt.growth(f, 40, 2, 12) == 40 + 2 * 12
+        ckpt.write(f, 1, server, states([1, 2]), {"s": 3}, 10)   # slot 0
+        assert ckpt.growth(f, 40, 2, 12) == 40 + 2 * 12          # slot 1 still empty
+        ckpt.write(f, 2, server, states([1, 2]), {"s": 3}, 10)   # slot 1
+        assert ckpt.growth(f, 40, 2, 12) == 0                    # slot 0 holds both
+        assert ckpt.growth(f, 40, 5, 12) == 3 * 12
+        f.flush()
+        before = os.path.getsize(tmp_path / "c.h5")
+        for t in range(3, 9):
+            ckpt.write(f, t, server, states([1, 2]), {"s": 3}, 10)
+        f.flush()
+        assert os.path.getsize(tmp_path / "c.h5") == before      # in place: no growth

@@ -15,7 +15,7 @@ from fedmpi.comm import LocalComm
 from fedmpi.results import RunFile
 from fedmpi.runtime import run_experiment
 
-from conftest import ROOT, fedmpi, mpirun, needs_mpi
+from conftest import ROOT, fedmpi, mpirun, mpirun_path, needs_mpi
 from helpers import TINY, merged, write_config
 
 CRASH = dict(plugins=["toy_algorithms"], algorithm={"name": "toy_crash", "crash_round": 1})
@@ -245,3 +245,118 @@ def test_resume_of_a_truncated_file_says_what_is_readable(tmp_path, status):
                                   f"{len(cut):,} of {len(data):,} bytes) and cannot be resumed; "
                                   f"readable: its config")
     assert out.read_bytes() == cut   # nothing touched
+
+
+# ---- full storage: a disk, a quota, `ulimit -f` -----------------------------------------
+
+FILLS = dict(rounds=60, system={"checkpoint_every": 5, "deterministic": True})
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MB tmpfs of its own (root only, as the suite runs in CI)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {proc.stderr.strip()}")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def never_stopped(tmp_path_factory):
+    d = tmp_path_factory.mktemp("fills")
+    config = write_config(d / "c.toml", **FILLS)
+    fedmpi(["run", "-q", str(config), "-o", str(d / "ref.h5")], check=True)
+    return config, d / "ref.h5"
+
+
+def _fill(disk, leave: int = 0) -> None:
+    """A file that leaves ``leave`` bytes free on ``disk`` (0: to the brim)."""
+    fs = os.statvfs(disk)
+    size = max(fs.f_bavail * fs.f_frsize - leave, 0)
+    subprocess.run(["dd", "if=/dev/zero", f"of={disk / 'fill'}", "bs=4k", f"count={size // 4096}"],
+                   capture_output=True)
+
+
+def _stopped_for_room(proc, out) -> int:
+    """Exit 75 and one line saying so; the file interrupted at its checkpoint's round."""
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err
+    assert "Traceback" not in err and err.count("fedmpi:") == 1, err
+    assert "free for run.h5, less than the" in err and "checkpointed after round" in err, err
+    with RunFile(out) as run:
+        assert run.status == "interrupted" and "storage" in run.attrs["error"]
+        assert run.attrs["interrupted_round"] == run.checkpoint().round == run.rounds()["round"][-1]
+        return run.checkpoint().round
+
+
+def _resumes_to_the_same_bits(out, reference) -> None:
+    fedmpi(["run", "-q", "--resume", str(out)], check=True)
+    with RunFile(out) as a, RunFile(reference) as b:
+        assert a.status == "completed" and list(a.rounds()["round"]) == list(range(61))
+        assert a.rounds()["test_acc"].tolist() == b.rounds()["test_acc"].tolist()
+        assert (a.model() == b.model()).all()
+
+
+@pytest.mark.slow
+def test_a_filling_disk_stops_the_run_with_a_checkpoint_and_it_resumes(small_disk, never_stopped):
+    """A checkpoint that finds the disk full can leave the file cut short, past resuming
+    (HDF5 extends the file before it writes). Before the disk fills, the run checkpoints,
+    says how much room it has and needs, and exits 75; with room again, it resumes."""
+    config, reference = never_stopped
+    out = small_disk / "run.h5"
+    proc = start_run(config, out)
+    wait_rounds(out, 5, proc)
+    _fill(small_disk, leave=500_000)   # less than the 1 MiB margin the run keeps
+    assert 4 <= _stopped_for_room(proc, out) < 60
+    (small_disk / "fill").unlink()
+    _resumes_to_the_same_bits(out, reference)
+
+
+@pytest.mark.slow
+def test_a_file_size_limit_stops_the_run_the_same_way(tmp_path, never_stopped):
+    """`ulimit -f` (a batch system's file-size limit) counts as room too; no mount needed."""
+    import resource
+
+    config, reference = never_stopped
+    out = tmp_path / "run.h5"
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (1_300_000, 1_300_000))  # noqa: E731
+    proc = subprocess.Popen([sys.executable, "-m", "fedmpi", "run", "-q", str(config), "-o", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=limit)
+    assert 0 < _stopped_for_room(proc, out) < 60
+    _resumes_to_the_same_bits(out, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [1, pytest.param(3, marks=needs_mpi)])
+def test_a_disk_filled_at_once_is_one_line(tmp_path, small_disk, ranks):
+    """Another process takes the last byte between two rounds: the next write fails. One
+    line and exit 1, where the failure used to bring three chained HDF5 tracebacks (marking
+    the file failed needs the disk too)."""
+    config = write_config(tmp_path / "c.toml", rounds=100000, system={"checkpoint_every": 5})
+    out = small_disk / "run.h5"
+    args = [sys.executable, "-m", "fedmpi", "run", "-q", str(config), "-o", str(out)]
+    if ranks > 1:
+        args = [mpirun_path(), "-n", str(ranks), "--oversubscribe", "--bind-to", "none"] + args
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_rounds(out, 5, proc)
+    _fill(small_disk)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith("fedmpi:")]
+    assert lines == [f"fedmpi: cannot write {out}: no space left on device; free space (or "
+                     f"choose another output), then run again: fedmpi run --resume FILE "
+                     f"continues a run from its last readable checkpoint"], err
+
+
+def test_no_room_for_even_the_lock_is_one_line_and_leaves_nothing(tmp_path, small_disk):
+    config = write_config(tmp_path / "c.toml", rounds=2)
+    _fill(small_disk)
+    proc = fedmpi(["run", "-q", str(config), "-o", str(small_disk / "run.h5")])
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.startswith(f"fedmpi: cannot write {small_disk / '.run.h5.lock'}: no space "
+                                  f"left on device;") and proc.stderr.count("\n") == 1, proc.stderr
+    assert sorted(p.name for p in small_disk.iterdir()) == ["fill"]

@@ -67,6 +67,18 @@ def write(h5file: h5py.File, completed_rounds: int, server: dict[str, np.ndarray
     h5file.flush()
 
 
+def growth(h5file: h5py.File, server_bytes: int, clients: int, state_bytes: int) -> int:
+    """Bytes the next checkpoint would add to the file: the server state its slot does
+    not hold yet, and the rows of clients beyond those the slot has room for."""
+    root = h5file.get(GROUP)
+    slot = None if root is None else root.get(f"slot{1 - int(root.attrs.get('current', 1))}")
+    if slot is None:
+        return server_bytes + clients * state_bytes
+    rows = slot["clients/ids"].shape[0] if "clients/ids" in slot else 0
+    server = 0 if len(slot.get("server", {})) else server_bytes
+    return server + max(clients - rows, 0) * state_bytes
+
+
 def read(h5file: h5py.File) -> Checkpoint | None:
     """The current checkpoint, or None when the run never wrote one."""
     if GROUP not in h5file or "current" not in h5file[GROUP].attrs:

@@ -58,9 +58,14 @@ class RunLock:
             except FileNotFoundError:
                 same = False
             if same:
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, json.dumps(liveness.identity()).encode(), 0)
-                return cls(results_path, fd)
+                lock = cls(results_path, fd)
+                try:
+                    os.ftruncate(fd, 0)
+                    os.pwrite(fd, json.dumps(liveness.identity()).encode(), 0)
+                except OSError as exc:   # a full disk: name the file, leave no lock behind
+                    lock.release()
+                    raise OSError(exc.errno, exc.strerror, str(path)) from None
+                return lock
             os.close(fd)
         raise UsageError(f"results file {results_path}: could not take its lock {path}")
 

@@ -116,6 +116,10 @@ class ResultsWriter:
         with self.edit() as h5file:
             checkpoint.write(h5file, completed_rounds, server, clients, client_sizes, num_clients)
 
+    def checkpoint_growth(self, server_bytes: int, clients: int, state_bytes: int) -> int:
+        """Bytes the next ``write_checkpoint`` would add to the file (``checkpoint.growth``)."""
+        return checkpoint.growth(self._file, server_bytes, clients, state_bytes)
+
     def append_round(self, row: dict[str, float]) -> None:
         """One row per round; fields left out read back as NaN (or -1 for int fields).
 

@@ -40,7 +40,7 @@ import torch
 from .. import algorithms, signals
 from ..algorithms import group_sgd, local_sgd
 from ..config.validate import group_refusal
-from ..errors import UsageError
+from ..errors import UsageError, storage_full, storage_full_message
 from ..results.writer import FileReplacedError
 from .observers import RoundRecord, default_observers
 from .observers.divergence import DIVERGED
@@ -356,20 +356,30 @@ class Experiment:
     def _fail(self, exc: BaseException) -> None:
         if self.store is not None:
             self.store.close()
+        full = storage_full(exc)
         if self.writer is not None:
             status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
             try:
-                self.writer.set_status(status, error=f"{type(exc).__name__}: {exc}")
-            except FileReplacedError:
-                pass   # not our file any more: leave it alone
-            self.writer.close()
+                try:
+                    self.writer.set_status(status, error=f"{type(exc).__name__}: {exc}")
+                except FileReplacedError:
+                    pass   # not our file any more: leave it alone
+                self.writer.close()
+            except (OSError, RuntimeError):
+                if full is None:
+                    raise
+                # the disk is full: the status cannot be written either; the file, left
+                # open, is recovered by --resume like a killed run's. Keep the writer:
+                # freeing its HDF5 objects would try to flush them, fail, and say so loudly
+                self.unwritable = self.writer
             self.writer = None
         if self.comm.size > 1:
-            if isinstance(exc, UsageError):  # e.g. data files missing: one line, exit 2
+            if isinstance(exc, UsageError) or full:  # one line: exit 2 (bad input) or 1
                 # in setup every rank meets the same error: the server speaks for all
                 if self.comm.is_server or self.ready:
-                    print(f"fedmpi: {exc}", file=sys.stderr, flush=True)
-                self.comm.abort(2)
+                    message = storage_full_message(full) if full else exc
+                    print(f"fedmpi: {message}", file=sys.stderr, flush=True)
+                self.comm.abort(1 if full else 2)
             traceback.print_exc()
             sys.stderr.flush()
             self.comm.abort(1)

@@ -1,6 +1,6 @@
 """What the round engine calls at named points, beside the round itself: checkpoints,
-divergence, preemption, progress lines, probes and local spectra. Each is one small
-module; the engine knows only the hooks below.
+divergence, preemption, the room left for the file, progress lines, probes and local
+spectra. Each is one small module; the engine knows only the hooks below.
 
 - ``on_setup(exp)``: every rank, once set up, before the first round (collectives allowed);
 - ``before_round(exp, t)``: every rank, before round t's first phase;
@@ -55,6 +55,7 @@ def default_observers(quiet: bool) -> list[Observer]:
     from .probes import Probes
     from .progress import Progress
     from .spectra import LocalSpectra
+    from .storage import Storage
     spectra = LocalSpectra()
-    out = [spectra, Probes(spectra), Divergence(), Checkpoint(), Preemption()]
+    out = [spectra, Probes(spectra), Divergence(), Storage(), Checkpoint(), Preemption()]
     return out if quiet else out + [Progress()]

@@ -29,11 +29,11 @@ class Preemption(Observer):
             interrupt(exp, record.round, f"checkpointed after round {record.round}")
 
 
-def interrupt(exp, completed: int, what: str) -> None:
+def interrupt(exp, completed: int, what: str, why: str = "signal received",
+              error: str = "stopped by a signal (SIGUSR1/SIGTERM/SIGHUP/Ctrl-C)") -> None:
     """Server: mark the file resumable after ``completed`` rounds and stop every rank."""
-    exp.writer.set_status("interrupted", error="stopped by a signal (SIGUSR1/SIGTERM/SIGHUP/Ctrl-C)",
-                          interrupted_round=completed)
+    exp.writer.set_status("interrupted", error=error, interrupted_round=completed)
     exp.stop = PREEMPTED
-    print(f"fedmpi: signal received; {what}, exiting with {EXIT_PREEMPTED} "
+    print(f"fedmpi: {why}; {what}, exiting with {EXIT_PREEMPTED} "
           f"(resume with: fedmpi run --resume {exp.config.output_path()})",
           file=sys.stderr, flush=True)
