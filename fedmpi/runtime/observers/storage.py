@@ -56,8 +56,10 @@ class Storage(Observer):
         if exp.stop is not None or record.round >= exp.config.rounds:
             return
         free = room(path)
+        if free is None or free >= self.need(exp, bound=True):
+            return
         need = self.need(exp)
-        if free is None or free >= need:
+        if free >= need:
             return
         completed = record.round
         if completed > 0:
@@ -68,10 +70,13 @@ class Storage(Observer):
                       f"{_mb(need)} a checkpoint and the next rounds may need",
                   error=f"stopped before the storage was full ({_mb(free)} free, {_mb(need)} needed)")
 
-    def need(self, exp) -> int:
-        """The next checkpoint's growth, the final model, two rounds' rows and MARGIN."""
+    def need(self, exp, bound: bool = False) -> int:
+        """The next checkpoint's growth, the final model, two rounds' rows and MARGIN;
+        ``bound``: a whole checkpoint instead of its growth (no look into the file)."""
         server = sum(v.numel() * v.element_size() for v in exp.state.values())
-        checkpoint = exp.writer.checkpoint_growth(server, len(exp.store), exp.store.state_bytes)
+        clients, each = len(exp.store), exp.store.state_bytes
+        checkpoint = server + clients * each if bound else \
+            exp.writer.checkpoint_growth(server, clients, each)
         model = exp.state["x"].numel() * 4
         return checkpoint + model + 2 * self.rows + MARGIN
 
