@@ -186,9 +186,11 @@ def test_preemption_with_grace_time_checkpoints_and_requeues(cluster, launcher, 
     while "requeueing job" not in logs(tmp_path) and time.time() < deadline and \
             cluster.jobs(job)[0]["JobState"] not in TERMINAL:   # ended unrequeued: fails below
         time.sleep(0.2)
-    (state,) = cluster.jobs(job)
     text = logs(tmp_path)
     assert "preempted, checkpointed (exit 75); requeueing job" in text, text
+    while time.time() < deadline and cluster.jobs(job)[0]["JobState"] == "COMPLETING":
+        time.sleep(0.2)   # the first run's clean-up, then the requeued job waits
+    (state,) = cluster.jobs(job)
     assert int(state["Restarts"]) == 1 and state["JobState"] in ("PENDING", "REQUEUED"), state
     cluster.client(["scancel", job])   # no need to wait for SLURM's hold on it
     cluster.wait(job)

@@ -4,7 +4,8 @@
     python tools/preset_fingerprints.py            # compare with the stored ones
 
 Each preset, and every algorithm without a preset of its own on the `default` preset
-(self-supervised ones on `fussl_fmnist_silo`), runs in one process for 2 rounds in deterministic mode on a small
+(self-supervised ones on `fussl_fmnist_silo`), runs single-process (two cases at a time, in
+two worker processes, one thread each) for 2 rounds in deterministic mode on a small
 synthetic stand-in for its data (the preset's model, algorithm, partition and training
 rules; fewer clients, samples and local steps; presets that come out equal once shrunk
 run once), and its results file is reduced to a SHA-256 of the
@@ -110,10 +111,16 @@ def _digest(columns: dict) -> str:
     return h.hexdigest()
 
 
-def all_fingerprints() -> dict[str, dict[str, str]]:
-    with tempfile.TemporaryDirectory() as tmp:
-        return {case: fingerprint(case, preset, overrides, Path(tmp))
+def all_fingerprints(processes: int = 2) -> dict[str, dict[str, str]]:
+    """Every case, in ``processes`` fresh processes at once (each run uses one thread)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with tempfile.TemporaryDirectory() as tmp, ProcessPoolExecutor(
+            processes, mp_context=multiprocessing.get_context("spawn")) as pool:
+        jobs = {case: pool.submit(fingerprint, case, preset, overrides, Path(tmp))
                 for case, (preset, overrides) in cases().items()}
+        return {case: job.result() for case, job in jobs.items()}
 
 
 def main(argv=None) -> int:
