@@ -369,9 +369,7 @@ class Experiment:
                 if full is None:
                     raise
                 # the disk is full: the status cannot be written either; the file, left
-                # open, is recovered by --resume like a killed run's. Keep the writer:
-                # freeing its HDF5 objects would try to flush them, fail, and say so loudly
-                self.unwritable = self.writer
+                # open, is recovered by --resume like a killed run's
             self.writer = None
         if self.comm.size > 1:
             if isinstance(exc, UsageError) or full:  # one line: exit 2 (bad input) or 1

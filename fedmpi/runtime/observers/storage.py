@@ -22,12 +22,12 @@ from .preemption import interrupt
 MARGIN = 1 << 20
 
 
-def room(path: Path) -> int | None:
-    """Bytes ``path`` may still grow by, or None when the file system does not say (a
-    file system reporting no blocks at all, as some network and FUSE mounts do)."""
+def room(path: Path, size: int) -> int | None:
+    """Bytes ``path`` (now ``size`` bytes) may still grow by, or None when the file system
+    does not say (a file system reporting no blocks at all, as some network and FUSE
+    mounts do)."""
     try:
         fs = os.statvfs(path.parent)
-        size = path.stat().st_size
     except OSError:
         return None
     if fs.f_blocks == 0:
@@ -51,11 +51,13 @@ class Storage(Observer):
     def after_round(self, exp, record) -> None:
         path = exp.config.output_path()
         size = _size(path)
-        if size is not None and self.start is not None:
+        if size is None:
+            return
+        if self.start is not None:
             self.rows = max(self.rows, size - self.start)
         if exp.stop is not None or record.round >= exp.config.rounds:
             return
-        free = room(path)
+        free = room(path, size)
         if free is None or free >= self.need(exp, bound=True):
             return
         need = self.need(exp)
