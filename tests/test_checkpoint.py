@@ -17,6 +17,8 @@ from fedmpi.results import RunFile
 from fedmpi.results import checkpoint as ckpt
 from fedmpi.runtime import EXIT_PREEMPTED, run_experiment
 from fedmpi.comm import LocalComm
+from fedmpi.data import load_dataset
+from fedmpi.errors import UsageError
 
 from conftest import fedmpi, mpirun, needs_mpi
 from helpers import TINY, merged, write_config
@@ -152,6 +154,54 @@ def test_resume_refuses_other_arguments_and_missing_files(tmp_path):
     fedmpi(["run", "-q", str(config), "-o", str(tmp_path / "a.h5")], check=True)
     exists = fedmpi(["run", str(config), "-o", str(tmp_path / "a.h5")])
     assert exists.returncode == 2 and "--resume" in exists.stderr
+
+
+def ours(cfg) -> str:
+    return load_dataset(cfg.data.dataset, cfg.data.data_dir, seed=cfg.seed,
+                        **cfg.data.options).sha256()
+
+
+def test_resume_refuses_data_that_changed_since_the_run(tmp_path):
+    """The file records the data's SHA-256. Features changed with the labels kept (the
+    partition alone would not tell): the resume is one line, exit 2, the file untouched.
+    The run's own data resume it; a file from before the digest has nothing to compare."""
+    rng = np.random.default_rng(0)
+    arrays = {"x_train": rng.normal(size=(300, 6)).astype(np.float32),
+              "y_train": rng.integers(0, 3, 300), "x_test": rng.normal(size=(60, 6)).astype(np.float32),
+              "y_test": rng.integers(0, 3, 60)}
+    data = tmp_path / "d.npz"
+    np.savez(data, **arrays)
+    values = merged(TINY, rounds=4, system={"checkpoint_every": 2})
+    values.update(data={"dataset": "arrays", "path": str(data)},
+                  model={"name": "mlp", "hidden": [8]}, output=str(tmp_path / "ref.h5"))
+    run_experiment(cfgmod.from_dict(values), LocalComm(), quiet=True)
+    crashed, old = tmp_path / "crashed.h5", tmp_path / "old.h5"
+    crashed.write_bytes((tmp_path / "ref.h5").read_bytes())
+    with h5py.File(crashed, "r+") as f:
+        f.attrs["status"] = "running"
+        del f["model/final"]
+        recorded = f.attrs["dataset_sha256"]
+    old.write_bytes(crashed.read_bytes())
+    with h5py.File(old, "r+") as f:
+        del f.attrs["dataset_sha256"]
+
+    np.savez(data, **{**arrays, "x_train": arrays["x_train"] * 2})
+    before = crashed.read_bytes()
+    resume = cfgmod.from_dict({**RunFile(crashed).config, "output": str(crashed)})
+    with pytest.raises(UsageError) as bad:   # fedmpi run --resume: this line, exit 2
+        run_experiment(resume, LocalComm(), quiet=True, resume=True)
+    assert str(bad.value) == (f"--resume {crashed}: the 'arrays' data differ from the run's "
+                              f"(sha256 {recorded[:12]}..., now {ours(resume)[:12]}...; "
+                              f"was data.path = {data} changed?)")
+    assert crashed.read_bytes() == before and not list(tmp_path.glob(".crashed*"))
+    older = cfgmod.from_dict({**RunFile(old).config, "output": str(old)})
+    assert run_experiment(older, LocalComm(), quiet=True, resume=True).start == 2
+
+    np.savez(data, **arrays)
+    assert run_experiment(resume, LocalComm(), quiet=True, resume=True).start == 2
+    with RunFile(tmp_path / "ref.h5") as a, RunFile(crashed) as b:
+        assert_same_run(a, b)
+        assert b.status == "completed" and b.attrs["dataset_sha256"] == recorded
 
 
 @pytest.mark.slow

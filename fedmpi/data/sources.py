@@ -12,6 +12,7 @@ their own modules (`tinyimagenet`, `shakespeare`; your own arrays: `arrays`).
 from __future__ import annotations
 
 import gzip
+import hashlib
 import importlib.util
 import pickle
 from dataclasses import dataclass
@@ -74,6 +75,20 @@ class Dataset:
         if self.modality == "tabular":
             return 1
         return self.train_x.shape[2] if self.modality == "image" else self.train_x.shape[1]
+
+    def sha256(self) -> str:
+        """SHA-256 of what training and evaluation read: every array's dtype, shape and
+        bytes, the number of classes and the modality. The results file records it
+        (``dataset_sha256``) and a resume refuses data that changed since."""
+        digest = hashlib.sha256(f"{self.modality} {self.num_classes}".encode())
+        for name in ("train_x", "train_y", "test_x", "test_y", "groups"):
+            a = getattr(self, name)
+            if a is None:
+                continue
+            a = a.detach().cpu().contiguous()
+            digest.update(f"\n{name} {a.dtype} {tuple(a.shape)}\n".encode())
+            digest.update(memoryview(a.numpy()).cast("B"))
+        return digest.hexdigest()
 
 
 def _make(name, train, test, num_classes, source) -> Dataset:

@@ -120,7 +120,7 @@ class Experiment:
             self.store = ClientStateStore(self.state_sizes(),
                                           memory_bytes=cfg.system.state_memory_mb * 2 ** 20,
                                           directory=cfg.system.state_dir)
-            evaluated = resume_file(self, self.ranks) if self.resume else \
+            evaluated = resume_file(self, world.dataset, self.ranks) if self.resume else \
                 create_file(self, world.dataset, self.ranks)
             # round 0 once per run: not after a checkpoint, nor again when a run stopped
             # before its first checkpoint already wrote it (its resume keeps the row)
@@ -372,6 +372,7 @@ class Experiment:
                 # open, is recovered by --resume like a killed run's
             self.writer = None
         if self.comm.size > 1:
+            self._release()   # before the abort, which ends this process: no lock file left
             if isinstance(exc, UsageError) or full:  # one line: exit 2 (bad input) or 1
                 # in setup every rank meets the same error: the server speaks for all
                 if self.comm.is_server or self.ready:

@@ -28,6 +28,7 @@ def create_file(exp, dataset, ranks) -> bool:
         "hostnames": sorted({r["host"] for r in ranks}),
         "seed": cfg.seed, "torch_version": torch.__version__, "python": sys.version.split()[0],
         "num_params": exp.d, "dataset_source": dataset.source,
+        "dataset_sha256": dataset.sha256(),
         "algorithm_paper": exp.alg.paper, "command": " ".join(sys.argv),
         "writer": liveness.identity(), "eval_batch_size": exp.eval_batch,
         "client_group": exp.group,
@@ -55,7 +56,7 @@ def create_file(exp, dataset, ranks) -> bool:
     return False
 
 
-def resume_file(exp, ranks) -> bool:
+def resume_file(exp, dataset, ranks) -> bool:
     """Continue the file's run: state from its checkpoint (or round 0 without one).
     Returns whether the file has the initial model's row (round 0)."""
     path = exp.config.output_path()
@@ -84,6 +85,14 @@ def resume_file(exp, ranks) -> bool:
             raise UsageError(f"--resume {path}: the virtual clock's inputs differ from the run's "
                              f"({', '.join(changed)}; was system_model.profile_file or "
                              f"availability_file changed?)")
+    # the data first: the partition is drawn from their labels
+    data, was, now = exp.config.data, attrs.get("dataset_sha256"), dataset.sha256()
+    if was is not None and was != now:   # files written before the digest have none
+        what = f"was data.path = {data.options['path']} changed?" if "path" in data.options \
+            else f"were the files in data.data_dir = {data.data_dir} changed?" if data.data_dir \
+            else "was the code changed?"
+        raise UsageError(f"--resume {path}: the {data.dataset!r} data differ from the run's "
+                         f"(sha256 {was[:12]}..., now {now[:12]}...; {what})")
     if not np.array_equal(stored["client_offsets"], exp.split.offsets) or \
             not np.array_equal(stored["client_indices"], exp.split.indices):
         raise UsageError(f"--resume {path}: this fedmpi computes a different client partition "
