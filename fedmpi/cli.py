@@ -72,7 +72,7 @@ def run(config_file, preset, overrides, output, force, resume_file, quiet):
     results file's disk filled up: run again with --resume FILE to continue; 130 stopped at
     once by a second Ctrl-C (resumes from the last checkpoint).
     """
-    from . import signals
+    from . import signals, streams
 
     signals.install()  # before the heavy imports: a signal during start-up counts
     from .results.writer import FileReplacedError
@@ -86,6 +86,8 @@ def run(config_file, preset, overrides, output, force, resume_file, quiet):
         config = _resolve(config_file, preset, overrides, output)
         _check_output(config.output_path(), force)
     path = config.output_path()
+    streams.keep_going(f"the run goes on without progress lines; follow it with: "
+                       f"fedmpi watch {path}")
     try:
         experiment = run_experiment(config, force=force, quiet=quiet, resume=bool(resume_file))
     except FileReplacedError as exc:   # someone else's file now: leave it alone

@@ -1,5 +1,6 @@
 """The command line as a user meets it: real subprocesses, real files."""
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -30,6 +31,27 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, field):
     proc = fedmpi(["run", *args, "-o", str(tmp_path / "x.h5")])
     assert_usage_error(proc, field)
     assert not (tmp_path / "x.h5").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("both", [False, True], ids=["stdout", "stdout-and-stderr"])
+def test_a_closed_stdout_does_not_stop_the_run(tmp_path, both):
+    """`fedmpi run exp.toml | head -2` (and `2>&1 | head -2`): the reader goes away after
+    two lines; the run completes, exit 0, and says once on stderr how to follow it."""
+    config, out = write_config(tmp_path / "c.toml", rounds=80), tmp_path / "r.h5"
+    proc = subprocess.Popen([sys.executable, "-m", "fedmpi", "run", str(config), "-o", str(out)],
+                            stdout=subprocess.PIPE, text=True,
+                            stderr=subprocess.STDOUT if both else subprocess.PIPE)
+    head = [proc.stdout.readline() for _ in range(2)]
+    proc.stdout.close()
+    err = "" if both else proc.stderr.read()
+    assert proc.wait(timeout=300) == 0, err
+    assert head[0].startswith("rank  role")
+    with RunFile(out) as run:
+        assert run.status == "completed" and run.rounds()["round"][-1] == 80
+    if not both:
+        assert err == (f"fedmpi: stdout was closed (broken pipe); the run goes on without "
+                       f"progress lines; follow it with: fedmpi watch {out}\n")
 
 
 def test_existing_results_are_never_overwritten(tmp_path):
