@@ -32,8 +32,14 @@ class _Commands(click.Group):
 
 @click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="fedmpi")
+@one_line_errors
 def main():
     """fedmpi: federated-learning experiments on MPI, results in one HDF5 file."""
+    try:   # a removed working directory: torch's MKL would die loading its libraries
+        os.getcwd()
+    except FileNotFoundError:
+        raise UsageError("the current directory no longer exists (was it removed?); "
+                         "cd to one that does and run again") from None
 
 
 def _config_options(command):

@@ -54,6 +54,19 @@ def test_a_closed_stdout_does_not_stop_the_run(tmp_path, both):
                        f"progress lines; follow it with: fedmpi watch {out}\n")
 
 
+def test_a_removed_working_directory_is_one_line(tmp_path):
+    """A job started in a directory that was removed meanwhile (torch's MKL would die
+    loading its libraries, exit 2 with a line about libtorch_cpu.so)."""
+    config = write_config(tmp_path / "c.toml")
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    proc = subprocess.run(["bash", "-c", 'cd "$1" && rmdir "$1" && exec "$2" -m fedmpi run "$3"',
+                           "-", str(gone), sys.executable, str(config)],
+                          capture_output=True, text=True, timeout=120)
+    assert_usage_error(proc, "the current directory no longer exists")
+    assert list(tmp_path.iterdir()) == [config]
+
+
 def test_existing_results_are_never_overwritten(tmp_path):
     out = tmp_path / "keep.h5"
     out.write_bytes(b"precious")
