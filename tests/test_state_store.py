@@ -1,6 +1,10 @@
 """The client state store: zeros for unseen clients, LRU spill to disk past the memory
 budget, exact round trips, and the checkpoint view of every client's state."""
 
+import os
+import socket
+import subprocess
+
 import numpy as np
 import pytest
 
@@ -93,6 +97,27 @@ def test_spill_directory_is_private_and_removed_on_close(tmp_path):
     assert (spill_dir / "0.bin").stat().st_size == STATE_BYTES
     store.close()
     assert not spill_dir.exists() and (tmp_path / "states").exists() and len(store) == 0
+
+
+def test_spill_directories_of_dead_processes_on_this_host_are_removed(tmp_path):
+    """A run killed outright leaves its spill directory; the next store to spill there
+    removes the ones whose process on this host is gone, and no other."""
+    host = socket.gethostname()
+    dead = subprocess.Popen(["true"])
+    dead.wait()   # exited and reaped: its pid names no process
+    parent = tmp_path / "states"
+    kept = [parent / f"fedmpi-state-{host}.{os.getppid()}-abc",   # alive
+            parent / f"fedmpi-state-elsewhere.{dead.pid}-abc",     # another host's
+            parent / "fedmpi-state-x1y2z3"]                        # not ours to judge
+    gone = parent / f"fedmpi-state-{host}.{dead.pid}-k1"
+    for d in kept + [gone]:
+        d.mkdir(parents=True)
+        (d / "0.bin").write_bytes(b"\0" * STATE_BYTES)
+    with ClientStateStore(SIZES, memory_bytes=0, directory=parent) as store:
+        store.put(0, state(0))
+        assert store._spill_dir.name.startswith(f"fedmpi-state-{host}.{os.getpid()}-")
+        assert not gone.exists() and all((d / "0.bin").exists() for d in kept)
+    assert sorted(parent.iterdir()) == sorted(kept)
 
 
 def test_default_spill_directory_is_a_temporary_one_removed_on_close():

@@ -8,7 +8,11 @@ zeros.
 Past a memory budget (config ``system.state_memory_mb``) the least recently used
 clients' states are written to one raw file each in a spill directory (config
 ``system.state_dir``; a private temporary directory inside it, or under the system's
-temporary directory by default, removed by ``close``) and read back on ``get``. A
+temporary directory by default, removed by ``close``) and read back on ``get``. A run
+killed outright cannot remove its directory, and a requeued run on shared scratch would
+pile one up per kill (a client state per client: gigabytes): its name holds the host and
+the pid, and a store's first spill removes those of processes on this host that are gone.
+A
 state lives in exactly one place, memory or disk, and comes back bit for bit.
 ``items()`` visits every client's state without loading the spilled ones into the
 budget, which is what a checkpoint needs; ``load_state_dict`` restores them.
@@ -16,7 +20,10 @@ budget, which is what a checkpoint needs; ``load_state_dict`` restores them.
 
 from __future__ import annotations
 
+import glob
+import os
 import shutil
+import socket
 import tempfile
 import weakref
 from collections import OrderedDict
@@ -140,7 +147,10 @@ class ClientStateStore:
             parent = None if self.directory is None else Path(self.directory)
             if parent is not None:
                 parent.mkdir(parents=True, exist_ok=True)
-            self._spill_dir = Path(tempfile.mkdtemp(prefix="fedmpi-state-", dir=parent))
+            prefix = f"fedmpi-state-{socket.gethostname()}.{os.getpid()}-"
+            parent = Path(tempfile.gettempdir()) if parent is None else parent
+            _remove_dead(parent)
+            self._spill_dir = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
             self._cleanup = weakref.finalize(self, shutil.rmtree, str(self._spill_dir),
                                              ignore_errors=True)
         return self._spill_dir / f"{client}.bin"
@@ -162,3 +172,16 @@ class ClientStateStore:
     def _forget_file(self, client: int) -> None:
         self._on_disk.discard(client)
         self._path(client).unlink(missing_ok=True)
+
+
+def _remove_dead(parent: Path) -> None:
+    """Remove the spill directories in ``parent`` left by processes on this host that
+    are gone (killed outright: no ``close``)."""
+    from ..results import liveness
+
+    host = socket.gethostname()
+    start = len(f"fedmpi-state-{host}.")
+    for old in parent.glob(f"fedmpi-state-{glob.escape(host)}.*-*"):
+        pid = old.name[start:].split("-")[0]
+        if pid.isdigit() and liveness.state({"host": host, "pid": int(pid)}) == liveness.GONE:
+            shutil.rmtree(old, ignore_errors=True)
