@@ -54,6 +54,10 @@ a file with any status -> ``fedmpi run --resume FILE``, which continues an inter
 died (``running``) or failed run from its last checkpoint and does nothing for a
 completed one. A sweep re-submitted after preemption, a time limit or a crash thus
 finishes exactly the cells that are not finished.
+A resume runs the config in the file, so a cell whose file holds another config than
+the sweep now gives it (an edited [set], base config or preset: names follow the grid
+values only) is refused, with the fields that differ (``config_changes``), rather than
+resumed or called complete under the new config.
 """
 
 from __future__ import annotations
@@ -160,6 +164,25 @@ def run_arguments(sweep: Sweep, cell: Cell, force: bool = False) -> list[str]:
     if cell.output.exists() and not force:
         return ["--resume", str(cell.output)]
     return sweep.fresh_arguments(cell) + (["--force"] if force else [])
+
+
+def config_changes(sweep: Sweep, cell: Cell) -> list[str]:
+    """How the config in the cell's results file differs from the one the sweep gives the
+    cell now (an edited [set], base config or preset; ``--set``): one ``key: file value,
+    now value`` per field, [] without a file. Only fields both know are compared (another
+    fedmpi version may have fields the other lacks); ``output`` is the cell's own."""
+    if not cell.output.exists():
+        return []
+    import json
+
+    from .analysis.runs import flatten
+    from .results import RunFile
+
+    with RunFile(cell.output) as run:
+        was = flatten(run.config)
+    now = flatten(json.loads(json.dumps(sweep.config(cell).to_dict())))
+    return [f"{key} = {toml_value(was[key])} in the file, {toml_value(now[key])} now"
+            for key in sorted(was.keys() & now.keys()) if key != "output" and was[key] != now[key]]
 
 
 def cell_status(cell: Cell) -> str:

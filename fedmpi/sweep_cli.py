@@ -3,7 +3,8 @@
 Job scripts run one cell per job (or array task) with ``--run-cell I`` under srun or
 mpirun: every rank runs the same command, reads the same sweep and the same results
 file, and so takes the same decision (completed: nothing to do; file exists: resume;
-no file: fresh run) before any rank can change the file: rank 0 creates or reopens
+no file: fresh run; a file of another config: refused) before any rank can change the
+file: rank 0 creates or reopens
 it only after every rank has joined the run's first collective.
 
 Registered in ``fedmpi/cli.py`` with ``main.add_command(sweep)``.
@@ -28,7 +29,8 @@ from .signals import launcher_rank
                    "(shell-quoted, for eval).")
 @click.option("--run-cell", type=int, metavar="I",
               help="Run cell I here (on every rank under srun/mpirun): completed -> nothing; "
-                   "results file exists -> resume it; none -> a fresh run.")
+                   "results file exists -> resume it; none -> a fresh run; a file of another "
+                   "config (the sweep edited since) -> refused, naming the fields.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override a config field in every cell (repeatable).")
 @click.option("--outdir", metavar="DIR",
@@ -68,6 +70,15 @@ def _check_options(count, cell_index, print_args, run_cell, force, quiet) -> Non
         raise UsageError("--force and --quiet apply to --run-cell I only")
 
 
+def _which(plan, cell) -> str:
+    return f"config {plan.path}" if plan.single else \
+        f"sweep {plan.path}, cell {cell.index} ({cell.name})"
+
+
+def _what(plan) -> str:
+    return "config" if plan.single else "sweep"
+
+
 def _list(plan, cells, header: bool) -> None:
     """With the header: one line per cell (index, status, name); one cell: also its file."""
     from . import sweep as sweeps
@@ -80,11 +91,14 @@ def _list(plan, cells, header: bool) -> None:
     width = len(str(len(plan) - 1))
     for cell in cells:
         try:
-            status = sweeps.cell_status(cell)
+            status, changes = sweeps.cell_status(cell), sweeps.config_changes(plan, cell)
         except UsageError:
-            status = "unreadable"
+            status, changes = "unreadable", []
+        status = "changed" if changes else status
         where = "" if header else f"  {cell.output}"
         click.echo(f"{cell.index:>{width}}  {status:<11}  {cell.name}{where}")
+        if changes and not header:
+            click.echo(f"   its file holds a run of another config: {'; '.join(changes)}")
 
 
 def _run_cell(plan, cell, force: bool, quiet: bool) -> None:
@@ -94,6 +108,12 @@ def _run_cell(plan, cell, force: bool, quiet: bool) -> None:
 
     speak = launcher_rank() == 0 and not quiet
     status = sweeps.cell_status(cell)
+    changes = [] if force else sweeps.config_changes(plan, cell)
+    if changes:
+        raise UsageError(f"{_which(plan, cell)}: {cell.output} holds a run of another config "
+                         f"({'; '.join(changes)}); restore the {_what(plan)} to continue that "
+                         f"run, or pass --force to start afresh over it"
+                         f"{'' if plan.single else ' (another sweep name or outdir keeps both)'}")
     if status == "completed" and not force:
         if speak:
             click.echo(f"cell {cell.index} ({cell.name}): completed in {cell.output}; nothing to do")

@@ -102,6 +102,16 @@ def test_a_plain_config_is_a_sweep_of_one_cell(tmp_path):
     assert plan.cell(0).output == tmp_path / "mine.h5" and plan.cell(0).name == "mine"
     assert sweeps.run_arguments(plan, plan.cell(0)) == [str(config), "--set", "rounds=1"]
 
+    # run, then the config edited: the one cell's file holds another config
+    from fedmpi.comm import LocalComm
+    from fedmpi.runtime import run_experiment
+
+    run_experiment(plan.config(plan.cell(0)), LocalComm(), quiet=True)
+    assert sweeps.config_changes(plan, plan.cell(0)) == []
+    write_config(config, output=str(tmp_path / "mine.h5"), train={"lr": 0.2})
+    edited = sweeps.load(config, overrides=["rounds=1"])
+    assert sweeps.config_changes(edited, edited.cell(0)) == ["train.lr = 0.05 in the file, 0.2 now"]
+
 
 BAD = [
     ('config = "base.toml"\n[grid]\n"algorithm.name" = ["fedavg", "nope"]\n',
@@ -204,6 +214,24 @@ def test_run_cell_runs_once_then_skips(tmp_path):
     assert second.returncode == 0 and "completed" in second.stdout and "nothing to do" in second.stdout
     assert output.stat().st_mtime_ns == stamp
     assert cli(tmp_path, "s.toml").stdout.splitlines()[5].split()[:2] == ["4", "completed"]
+
+    # the sweep edited since (names follow the grid only): never resumed or called
+    # complete under the new config
+    (tmp_path / "s.toml").write_text(GRID.replace("rounds = 2", "rounds = 3"))
+    edited = cli(tmp_path, "s.toml", "--run-cell", "4")
+    assert edited.returncode == 2 and edited.stdout == "", edited.stderr
+    assert edited.stderr == (
+        "fedmpi: sweep s.toml, cell 4 (algorithm.name=fedavg,partition.alpha=1.0,seed=0): "
+        "out/g/algorithm.name=fedavg,partition.alpha=1.0,seed=0.h5 holds a run of another "
+        "config (rounds = 2 in the file, 3 now); restore the sweep to continue that run, or "
+        "pass --force to start afresh over it (another sweep name or outdir keeps both)\n")
+    assert output.stat().st_mtime_ns == stamp
+    shown = cli(tmp_path, "s.toml", "--cell", "4").stdout.splitlines()
+    assert shown[0].split()[:2] == ["4", "changed"]
+    assert shown[1].strip() == "its file holds a run of another config: rounds = 2 in the file, 3 now"
+    plan = sweeps.load(tmp_path / "s.toml", outdir=str(tmp_path / "out"))
+    assert sweeps.config_changes(plan, plan.cell(4)) == ["rounds = 2 in the file, 3 now"]
+    assert sweeps.config_changes(plan, plan.cell(5)) == []   # no file: nothing to compare
 
 
 def _wait_for_rounds(path: Path, n: int, proc, timeout: float = 60) -> None:
