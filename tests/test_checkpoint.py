@@ -11,7 +11,9 @@ import time
 import h5py
 import numpy as np
 import pytest
+import torch
 
+from fedmpi import __version__ as fedmpi_version
 from fedmpi import config as cfgmod
 from fedmpi.results import RunFile
 from fedmpi.results import checkpoint as ckpt
@@ -92,6 +94,21 @@ def test_crash_before_the_first_checkpoint_keeps_the_one_round_zero(tmp_path):
         assert b.status == "completed" and b.rounds()["round"].tolist() == [0, 1, 2, 3, 4, 5]
         assert b.ranks()["round"].tolist() == [0, 1, 2, 3, 4, 5]
         assert_same_run(a, b)
+
+
+def test_a_resume_under_another_torch_says_so_and_records_its_versions(tmp_path, capsys):
+    ref, crashed = reference_and_crash(tmp_path)
+    with h5py.File(crashed, "r+") as f:
+        f.attrs["torch_version"] = "1.13.0"
+    values = cfgmod.from_dict({**RunFile(crashed).config, "output": str(crashed)})
+    run_experiment(values, LocalComm(), quiet=True, resume=True)
+    assert capsys.readouterr().err == (
+        f"fedmpi: {crashed} was run under torch 1.13.0 and resumes under torch "
+        f"{torch.__version__}: rounds after 4 may differ in their last bits from a run that "
+        f"never stopped\n")
+    with RunFile(crashed) as run:
+        assert run.attrs["resumes"][-1]["torch_version"] == torch.__version__
+        assert run.attrs["resumes"][-1]["fedmpi_version"] == fedmpi_version
 
 
 def test_checkpoint_slots_alternate_and_the_file_does_not_grow(tmp_path):

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .. import __version__
 from ..errors import UsageError
 from ..results import ResultsWriter, RunFile, liveness
 from ..results.lock import RunLock
@@ -97,9 +98,16 @@ def resume_file(exp, dataset, ranks) -> bool:
             not np.array_equal(stored["client_indices"], exp.split.indices):
         raise UsageError(f"--resume {path}: this fedmpi computes a different client partition "
                          f"from the file's config (was the code changed?)")
+    # the torch that computed the rounds up to here (the last resume's, else the first's)
+    torches = [v for v in [attrs.get("torch_version")] + [r.get("torch_version") for r in history] if v]
+    if torches and torches[-1] != torch.__version__:
+        print(f"fedmpi: {path} was run under torch {torches[-1]} and resumes under torch "
+              f"{torch.__version__}: rounds after {exp.start} may differ in their last bits "
+              f"from a run that never stopped", file=sys.stderr, flush=True)
     history.append({"round": exp.start, "world_size": exp.comm.size,
                     "git_commit": git_commit(), "ranks": ranks,
-                    "eval_batch_size": exp.eval_batch, "client_group": exp.group})
+                    "eval_batch_size": exp.eval_batch, "client_group": exp.group,
+                    "torch_version": torch.__version__, "fedmpi_version": __version__})
     # the last stop's details would be stale once the run goes on
     exp.writer = ResultsWriter.resume(path, exp.start, resumes=history, error="",
                                       interrupted_round=None, failed_round=None,
