@@ -34,24 +34,30 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, field):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("both", [False, True], ids=["stdout", "stdout-and-stderr"])
-def test_a_closed_stdout_does_not_stop_the_run(tmp_path, both):
+@pytest.mark.parametrize("stdout", ["pipe", "pipe-and-stderr", "full-disk"])
+def test_a_closed_stdout_does_not_stop_the_run(tmp_path, stdout):
     """`fedmpi run exp.toml | head -2` (and `2>&1 | head -2`): the reader goes away after
-    two lines; the run completes, exit 0, and says once on stderr how to follow it."""
+    two lines; stdout on a full disk (/dev/full): every write fails. The run completes,
+    exit 0, and says once on stderr how to follow it."""
     config, out = write_config(tmp_path / "c.toml", rounds=80), tmp_path / "r.h5"
-    proc = subprocess.Popen([sys.executable, "-m", "fedmpi", "run", str(config), "-o", str(out)],
-                            stdout=subprocess.PIPE, text=True,
-                            stderr=subprocess.STDOUT if both else subprocess.PIPE)
-    head = [proc.stdout.readline() for _ in range(2)]
-    proc.stdout.close()
-    err = "" if both else proc.stderr.read()
+    with open("/dev/full", "w") as full:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fedmpi", "run", str(config), "-o", str(out)], text=True,
+            stdout=full if stdout == "full-disk" else subprocess.PIPE,
+            stderr=subprocess.STDOUT if stdout == "pipe-and-stderr" else subprocess.PIPE)
+    if stdout != "full-disk":
+        head = [proc.stdout.readline() for _ in range(2)]
+        proc.stdout.close()
+        assert head[0].startswith("rank  role")
+    err = "" if stdout == "pipe-and-stderr" else proc.stderr.read()
     assert proc.wait(timeout=300) == 0, err
-    assert head[0].startswith("rank  role")
     with RunFile(out) as run:
         assert run.status == "completed" and run.rounds()["round"][-1] == 80
-    if not both:
-        assert err == (f"fedmpi: stdout was closed (broken pipe); the run goes on without "
-                       f"progress lines; follow it with: fedmpi watch {out}\n")
+    why = {"pipe": "was closed (broken pipe)",
+           "full-disk": "cannot be written (no space left on device)"}.get(stdout)
+    if why:
+        assert err == (f"fedmpi: stdout {why}; the run goes on without progress lines; "
+                       f"follow it with: fedmpi watch {out}\n")
 
 
 def test_a_removed_working_directory_is_one_line(tmp_path):
