@@ -126,6 +126,9 @@ def _check_output(path, force: bool) -> None:
         raise UsageError(f"results file {path} exists; pass --force to overwrite it, "
                          f"--resume {path} to continue it, or choose another with -o/--output")
     _refuse_live_writer(path)
+    from .results.writer import refuse_foreign
+
+    refuse_foreign(path)
     parent = Path(path).absolute().parent
     while not parent.exists():
         parent = parent.parent

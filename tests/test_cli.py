@@ -4,11 +4,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import h5py
+import numpy as np
 import pytest
 
+from fedmpi.errors import UsageError
 from fedmpi.results import RunFile
+from fedmpi.results.writer import refuse_foreign
 
-from conftest import fedmpi, mpirun, needs_mpi
+from conftest import ROOT, fedmpi, mpirun, needs_mpi
 from helpers import TINY, write_config
 
 
@@ -79,6 +83,28 @@ def test_existing_results_are_never_overwritten(tmp_path):
     config = write_config(tmp_path / "c.toml")
     assert_usage_error(fedmpi(["run", str(config), "-o", str(out)]), "--force")
     assert out.read_bytes() == b"precious"
+
+
+def test_force_overwrites_results_files_only(tmp_path):
+    """`-o exp.toml --force` (the config itself), a dataset, notes: never overwritten. An
+    empty file and a results file, whole or cut short, may be."""
+    config = write_config(tmp_path / "c.toml")
+    before = config.read_bytes()
+    assert_usage_error(fedmpi(["run", str(config), "-o", str(config), "--force"]),
+                       f"results file {config} exists and is not an HDF5 file; --force "
+                       f"overwrites fedmpi results files only")
+    assert config.read_bytes() == before
+    data = tmp_path / "data.h5"
+    with h5py.File(data, "w") as f:
+        f["x_train"] = np.zeros(3)
+    with pytest.raises(UsageError, match="is an HDF5 file but not a fedmpi results file"):
+        refuse_foreign(data)
+    run = tmp_path / "run.h5"
+    run.write_bytes((ROOT / "tests/data/results-v1.h5").read_bytes())
+    (tmp_path / "cut.h5").write_bytes(run.read_bytes()[:4000])
+    (tmp_path / "empty.h5").write_bytes(b"")
+    for name in ("run.h5", "cut.h5", "empty.h5", "absent.h5"):
+        refuse_foreign(tmp_path / name)
 
 
 @pytest.mark.slow

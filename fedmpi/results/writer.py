@@ -470,17 +470,39 @@ def _check_layout(layout) -> list[tuple[str, tuple[int, ...], int]]:
 
 def _prepare_path(path: Path, force: bool) -> None:
     """Refuse to clobber a previous run unless asked (it is replaced by a rename at the
-    end of ``create``, so live readers keep theirs)."""
+    end of ``create``, so live readers keep theirs), and anything else always."""
     if path.is_dir():
         raise UsageError(f"results file {path} is a directory; give a file path such as {path / 'run.h5'}")
     if (path.exists() or path.is_symlink()) and not force:
         raise UsageError(f"results file {path} exists; "
                          "pass --force to overwrite or choose another output")
+    refuse_foreign(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UsageError(f"results file {path}: cannot create directory {path.parent} "
                          f"({_reason(exc)})") from exc
+
+
+def refuse_foreign(path) -> None:
+    """--force overwrites results files only: an existing file that is not one (the
+    config itself, a dataset, notes: ``-o exp.toml --force``) is a UsageError. A results
+    file cut short or left open by a dead writer (HDF5 that fails to open), and an empty
+    file, may be overwritten."""
+    path = Path(path)
+    try:
+        if not path.is_file() or path.stat().st_size == 0:
+            return
+        what = None if h5py.is_hdf5(path) else "not an HDF5 file"
+        if what is None:
+            with h5py.File(path, "r") as h5file:
+                if h5file.attrs.get("format") not in (schema.FORMAT, schema.FORMAT.encode()):
+                    what = "an HDF5 file but not a fedmpi results file"
+    except OSError:
+        return   # damaged, or open for writing: a run's file as far as can be told
+    if what:
+        raise UsageError(f"results file {path} exists and is {what}; --force overwrites "
+                         f"fedmpi results files only: choose another output with -o/--output")
 
 
 def _partition_arrays(partition: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
