@@ -318,6 +318,11 @@ def test_dataset_options_are_checked_before_mpi(overrides, words):
     pytest.param(['name="a\\u0000b"'], "config field name: must not contain control characters",
                  id="name-nul"),
     pytest.param([f"name={'n' * 300}"], "config field output: file name nnnn", id="name-too-long"),
+    pytest.param([f"output={'n' * 250}.h5"], "bytes; with the hidden files fedmpi keeps beside "
+                 "it (.NAME.HOST.PID.tmp) a file system takes at most", id="name-no-room-beside"),
+    pytest.param(["output=" + "/".join(["d" * 200] * 21) + "/x.h5"],
+                 "bytes as an absolute path; with the hidden files fedmpi keeps beside it the "
+                 "kernel takes at most", id="output-path-too-long"),
     pytest.param(['output=""'], "config field output: must not be empty", id="output-empty"),
     pytest.param(["output=runs/{nam}.h5"], "config field output: bad placeholder 'nam'",
                  id="output-unknown"),

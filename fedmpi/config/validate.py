@@ -9,12 +9,15 @@ results file says what actually ran). The ``_validate_*`` helpers only check.
 from __future__ import annotations
 
 import dataclasses
+import os
+import socket
 from pathlib import Path
 
 from .coerce import build, check_scalar, field_error
 from .schema import OPEN_SECTIONS, ExperimentConfig
 
 NAME_MAX = 255  # bytes in one file name on every common file system
+PATH_MAX = 4096  # bytes in a path the kernel takes (Linux), with its closing NUL
 
 
 def from_dict(values: dict) -> ExperimentConfig:
@@ -412,6 +415,19 @@ def _validate_paths(c: ExperimentConfig) -> None:
             raise field_error("output", f"file name {part[:40]}... is {len(part.encode())} bytes, "
                                         f"more than the {NAME_MAX} a file system takes (shorten "
                                         f"name or output)")
+    # the hidden files beside the results file (its lock, the temporary that builds or
+    # repairs it: .NAME.HOST.PID.recover) must fit as well
+    room = len(f"..{socket.gethostname()}.{'9' * 7}.recover".encode())
+    name, whole = Path(path).name, len(os.fsencode(os.path.abspath(path)))
+    if len(name.encode()) > NAME_MAX - room:
+        raise field_error("output", f"file name {name[:40]}... is {len(name.encode())} bytes; with "
+                                    f"the hidden files fedmpi keeps beside it (.NAME.HOST.PID.tmp) "
+                                    f"a file system takes at most {NAME_MAX - room} here (shorten "
+                                    f"name or output)")
+    if whole + room >= PATH_MAX:
+        raise field_error("output", f"{path[:40]}... is {whole} bytes as an absolute path; with "
+                                    f"the hidden files fedmpi keeps beside it the kernel takes at "
+                                    f"most {PATH_MAX - 1 - room} (shorten output)")
     state_dir = c.system.state_dir
     if state_dir and Path(state_dir).exists() and not Path(state_dir).is_dir():
         raise field_error("system.state_dir", f"{state_dir} exists and is not a directory")
