@@ -8,7 +8,13 @@ import subprocess
 import numpy as np
 import pytest
 
+from fedmpi import config
+from fedmpi.comm import LocalComm
+from fedmpi.errors import UsageError
+from fedmpi.runtime import run_experiment
 from fedmpi.runtime.state import ClientStateStore
+
+from helpers import TINY, merged
 
 SIZES = {"c_i": 5, "flag": 1}
 STATE_BYTES = 6 * 4
@@ -118,6 +124,21 @@ def test_spill_directories_of_dead_processes_on_this_host_are_removed(tmp_path):
         assert store._spill_dir.name.startswith(f"fedmpi-state-{host}.{os.getpid()}-")
         assert not gone.exists() and all((d / "0.bin").exists() for d in kept)
     assert sorted(parent.iterdir()) == sorted(kept)
+
+
+def test_a_spill_directory_that_cannot_be_written_fails_at_the_start(tmp_path):
+    """Not at the first spill, hours into the run: before the results file exists."""
+    (tmp_path / "afile").write_text("")
+    for bad in ("/proc/nope", tmp_path / "afile" / "states"):
+        with pytest.raises(UsageError, match=f"config field system.state_dir: cannot write in {bad} "):
+            ClientStateStore(SIZES, memory_bytes=0, directory=bad)
+    ClientStateStore(SIZES, memory_bytes=None, directory="/proc/nope")   # no budget: no spill
+    ClientStateStore({}, memory_bytes=0, directory="/proc/nope")         # no state: no spill
+    values = merged(TINY, rounds=1, algorithm={"name": "scaffold"}, output=str(tmp_path / "r.h5"),
+                    system={"state_memory_mb": 0, "state_dir": "/proc/nope"})
+    with pytest.raises(UsageError, match="system.state_dir"):
+        run_experiment(config.from_dict(values), LocalComm(), quiet=True)
+    assert not (tmp_path / "r.h5").exists() and not list(tmp_path.glob(".r.h5*"))
 
 
 def test_default_spill_directory_is_a_temporary_one_removed_on_close():

@@ -32,6 +32,8 @@ from typing import Iterable, Iterator, Mapping
 
 import numpy as np
 
+from ..errors import UsageError
+
 State = dict[str, np.ndarray]
 
 
@@ -47,6 +49,8 @@ class ClientStateStore:
         self._on_disk: set[int] = set()
         self._spill_dir: Path | None = None
         self._cleanup = None
+        if directory is not None and memory_bytes is not None and self.state_bytes:
+            _check_writable(Path(directory))
 
     @property
     def state_bytes(self) -> int:
@@ -185,3 +189,15 @@ def _remove_dead(parent: Path) -> None:
         pid = old.name[start:].split("-")[0]
         if pid.isdigit() and liveness.state({"host": host, "pid": int(pid)}) == liveness.GONE:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def _check_writable(directory: Path) -> None:
+    """A spill directory that cannot be made or written in fails at the start, not at the
+    first spill, hours into the run: a directory is made in it and removed again."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        os.rmdir(tempfile.mkdtemp(prefix="fedmpi-probe-", dir=directory))
+    except OSError as exc:
+        raise UsageError(f"config field system.state_dir: cannot write in {directory} "
+                         f"({exc.strerror or exc}); client states past "
+                         f"system.state_memory_mb spill there") from None
