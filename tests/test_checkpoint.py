@@ -111,6 +111,61 @@ def test_a_resume_under_another_torch_says_so_and_records_its_versions(tmp_path,
         assert run.attrs["resumes"][-1]["fedmpi_version"] == fedmpi_version
 
 
+def flip_byte(path, dataset: str, at: int = 5) -> None:
+    """A bit rot, or a write that never reached the disk: one byte of a dataset's data
+    changed in the file itself, past HDF5 (which keeps no checksum of raw data)."""
+    with h5py.File(path, "r") as f:
+        offset = f[dataset].id.get_offset()
+    with open(path, "r+b") as raw:
+        raw.seek(offset + at)
+        byte = raw.read(1)
+        raw.seek(offset + at)
+        raw.write(bytes([byte[0] ^ 0x10]))
+
+
+def test_a_damaged_checkpoint_falls_back_to_the_other_slot_then_to_round_0(tmp_path, capsys):
+    """The newest slot's bytes changed: the resume takes the slot before it (round 2) and
+    still ends bitwise the run that never stopped; with both damaged, round 0."""
+    ref, crashed = reference_and_crash(tmp_path, algorithm={"name": "scaffold"})
+    pristine = crashed.read_bytes()
+    with h5py.File(crashed, "r") as f:
+        current = int(f["checkpoint"].attrs["current"])
+    flip_byte(crashed, f"checkpoint/slot{current}/server/x")
+    values = cfgmod.from_dict({**RunFile(crashed).config, "output": str(crashed)})
+    assert run_experiment(values, LocalComm(), quiet=True, resume=True).start == 2
+    assert capsys.readouterr().err == (
+        f"fedmpi: {crashed}: the checkpoint after round 4 is damaged (its CRC-32 does not "
+        f"match what was written); resuming from the one after round 2\n")
+    with RunFile(ref) as a, RunFile(crashed) as b:
+        assert b.status == "completed" and b.rounds()["round"].tolist() == [0, 1, 2, 3, 4, 5]
+        assert_same_run(a, b)
+    with h5py.File(crashed, "r") as f:   # the next checkpoint went over the damaged slot
+        assert [ckpt._check(f[f"checkpoint/slot{k}"]) for k in (0, 1)] == [None, None]
+
+    crashed.write_bytes(pristine)   # now a client's state in the older slot as well
+    flip_byte(crashed, f"checkpoint/slot{current}/server/x")
+    with h5py.File(crashed, "r+") as f:
+        f[f"checkpoint/slot{1 - current}/clients/c_i"][0, 0] += 1.0
+    assert run_experiment(values, LocalComm(), quiet=True, resume=True).start == 0
+    assert capsys.readouterr().err.endswith("the checkpoint after round 2 is damaged (its "
+                                            "CRC-32 does not match what was written); "
+                                            "resuming from round 0\n")
+    with RunFile(ref) as a, RunFile(crashed) as b:
+        assert b.rounds()["round"].tolist() == [0, 1, 2, 3, 4, 5]
+        assert_same_run(a, b)
+
+
+def test_a_slot_without_a_digest_is_read_as_before(tmp_path):
+    """Files written before the digest: nothing to check against."""
+    server = {"x": np.arange(4, dtype=np.float32)}
+    with h5py.File(tmp_path / "c.h5", "w") as f:
+        ckpt.write(f, 3, server, [(7, {"s": np.ones(2, np.float32)})], {"s": 2}, 10)
+        del f["checkpoint/slot0"].attrs["crc32"]
+        f["checkpoint/slot0/server/x"][0] = 9.0
+        got = ckpt.read(f)
+        assert got.round == 3 and got.skipped == [] and got.server["x"][0] == 9.0
+
+
 def test_checkpoint_slots_alternate_and_the_file_does_not_grow(tmp_path):
     path = tmp_path / "c.h5"
     with h5py.File(path, "w") as f:

@@ -116,6 +116,11 @@ class ResultsWriter:
         with self.edit() as h5file:
             checkpoint.write(h5file, completed_rounds, server, clients, client_sizes, num_clients)
 
+    def use_checkpoint(self, ckpt) -> None:
+        """After a damaged slot was skipped: ``ckpt`` (or none) becomes the current one."""
+        with self.edit() as h5file:
+            checkpoint.point_at(h5file, ckpt)
+
     def checkpoint_growth(self, server_bytes: int, clients: int, state_bytes: int) -> int:
         """Bytes the next ``write_checkpoint`` would add to the file (``checkpoint.growth``)."""
         return checkpoint.growth(self._file, server_bytes, clients, state_bytes)

@@ -13,7 +13,7 @@ import torch
 
 from .. import __version__
 from ..errors import UsageError
-from ..results import ResultsWriter, RunFile, liveness
+from ..results import ResultsWriter, RunFile, checkpoint, liveness
 from ..results.lock import RunLock
 from ..results.writer import recover_crashed
 from . import asyncfl, vclock
@@ -67,7 +67,15 @@ def resume_file(exp, dataset, ranks) -> bool:
         print(f"fedmpi: {recovered}", file=sys.stderr, flush=True)
     with RunFile(path) as run:
         stored = run.partition()
-        ckpt = run.checkpoint()
+        try:
+            ckpt = run.checkpoint()
+            damage = ckpt.skipped if ckpt is not None else []
+        except checkpoint.Damaged as exc:   # nothing to continue from: as if never written
+            ckpt, damage = None, [str(exc)]
+        for line in damage:
+            print(f"fedmpi: {path}: {line}; resuming from "
+                  f"{f'the one after round {ckpt.round}' if ckpt else 'round 0'}",
+                  file=sys.stderr, flush=True)
         if ckpt is not None:
             load_checkpoint(exp, ckpt)
         history = list(run.attrs.get("resumes", []))
@@ -112,6 +120,8 @@ def resume_file(exp, dataset, ranks) -> bool:
     exp.writer = ResultsWriter.resume(path, exp.start, resumes=history, error="",
                                       interrupted_round=None, failed_round=None,
                                       writer=liveness.identity())
+    if damage:   # the next checkpoint goes over the damaged slot, not the intact one
+        exp.writer.use_checkpoint(ckpt)
     return evaluated
 
 
