@@ -1,4 +1,5 @@
-"""Cost of a checkpoint, and that the results file does not grow with their number.
+"""Cost of a checkpoint (written, synced to the disk, checksummed; and read back with its
+check), and that the results file does not grow with their number.
 
 A ResNet-18-sized server state (x and one momentum: 2 x 11.2M float32) plus the client
 state of SCAFFOLD-like clients (one d-vector each), written N times into one file the
@@ -43,6 +44,10 @@ def main() -> None:
                                  {"c": d}, num_clients=args.clients)
             seconds = time.perf_counter() - start
             print(f"{k:>3}  {seconds:>8.2f}  {state_mb / seconds:>7.0f}  {os.path.getsize(path) / 1e6:>8.0f}")
+        start = time.perf_counter()
+        with h5py.File(path, "r") as f:   # what a resume reads: the slot, checked (CRC-32)
+            checkpoint.read(f)
+        print(f"read and check the current slot: {time.perf_counter() - start:.2f} s")
 
 
 if __name__ == "__main__":
