@@ -2,7 +2,10 @@
 process vs `mpirun -n 3` bitwise, `fedmpi evaluate` on a finished run, resume cuts,
 and one-line errors for bad probe settings."""
 
+import socket
+import subprocess
 import sys
+import time
 
 import h5py
 import numpy as np
@@ -13,8 +16,10 @@ from fedmpi.comm import LocalComm
 from fedmpi.errors import UsageError
 from fedmpi.results import RunFile
 from fedmpi.results.checkpoint import truncate
+from fedmpi.results.lock import holder as lock_holder
 from fedmpi.results.writer import append_eval
 from fedmpi.runtime import run_experiment
+from fedmpi.runtime.probes import evaluate_file
 
 from conftest import fedmpi, mpirun, needs_mpi
 from helpers import TINY, merged, write_config
@@ -91,6 +96,37 @@ def test_evaluate_a_finished_run_repeats_the_last_probe(single, tmp_path):
     assert evals["linear_acc"][-1] == evals["linear_acc"][1]      # same model, same draws
     assert np.isnan(evals["finetune_5pct_acc"][-1])                # not asked for
     np.testing.assert_allclose(spectrum[-1], spectrum[1], rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.slow
+def test_evaluate_holds_the_file_against_a_forced_run(single, tmp_path):
+    """`fedmpi run --force` onto a file being evaluated would replace it, and the probe row
+    of the old run would land in the new run's file: refused while evaluate runs."""
+    copy = tmp_path / "copy.h5"
+    copy.write_bytes(single.read_bytes())
+    before = copy.read_bytes()
+    slow = subprocess.Popen([sys.executable, "-m", "fedmpi", "evaluate", "-q", str(copy),
+                             "--probe", "linear", "--probe", "spectrum",
+                             "--set", "eval.linear_epochs=100000"],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while lock_holder(copy) is None:
+            assert slow.poll() is None and time.time() < deadline, slow.stderr.read()
+            time.sleep(0.05)
+        config = write_config(tmp_path / "c.toml", PROBED)
+        forced = fedmpi(["run", "-q", str(config), "-o", str(copy), "--force"])
+        assert forced.returncode == 2 and forced.stderr == (
+            f"fedmpi: results file {copy} is being written by a live run (pid {slow.pid} on "
+            f"{socket.gethostname()}); stop that run first, or choose another output with "
+            f"-o/--output\n")
+        assert copy.read_bytes() == before
+    finally:
+        slow.kill()
+        slow.communicate()
+    with pytest.raises(UsageError, match="does not exist"):   # and no directory made for a lock
+        evaluate_file(tmp_path / "no" / "such.h5")
+    assert not (tmp_path / "no").exists()
 
 
 def test_eval_rows_after_a_checkpoint_are_cut_on_resume(tmp_path):

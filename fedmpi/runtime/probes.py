@@ -13,6 +13,7 @@ the same bits for any number of workers. Used by the runtime on probe rounds and
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 
@@ -64,17 +65,33 @@ def evaluate_file(path, probe_names=(), overrides=(), quiet: bool = False) -> di
     """``fedmpi evaluate``: probe the final model of a finished self-supervised run (one
     process) and append the row to the file's /eval. ``probe_names`` default to the
     run's eval.probes, else linear + spectrum; ``overrides`` are eval.<field>=<value>."""
+    from ..config import parse_override
+    from ..errors import UsageError
+    from ..results.lock import RunLock
+
+    for text in overrides:
+        if parse_override(text)[0][0] != "eval":
+            raise UsageError(f"--set {text!r}: evaluate takes eval.<field> only")
+    if not Path(path).is_file():   # before the lock, which would make its directory
+        raise UsageError(f"results file {path} does not exist")
+    # the file's writer for as long as this takes: a `fedmpi run --force` onto it meanwhile
+    # would replace it, and this run's probe row would go into the new run's file
+    lock = RunLock.acquire(path)
+    try:
+        return _evaluate_locked(path, probe_names, overrides, quiet)
+    finally:
+        lock.release()
+
+
+def _evaluate_locked(path, probe_names, overrides, quiet: bool) -> dict:
     from .. import algorithms
     from ..comm import LocalComm
-    from ..config import apply_overrides, from_dict, parse_override
+    from ..config import apply_overrides, from_dict
     from ..errors import UsageError
     from ..results import RunFile
     from ..results.writer import _reopen, append_eval
     from .world import build_world
 
-    for text in overrides:
-        if parse_override(text)[0][0] != "eval":
-            raise UsageError(f"--set {text!r}: evaluate takes eval.<field> only")
     with RunFile(path) as done:
         values, status, names = done.config, done.status, done.model_names()
         if "final" not in names:
