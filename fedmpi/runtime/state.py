@@ -8,12 +8,11 @@ zeros.
 Past a memory budget (config ``system.state_memory_mb``) the least recently used
 clients' states are written to one raw file each in a spill directory (config
 ``system.state_dir``; a private temporary directory inside it, or under the system's
-temporary directory by default, removed by ``close``) and read back on ``get``. A run
+temporary directory by default, removed by ``close``) and read back on ``get``. A
+state lives in exactly one place, memory or disk, and comes back bit for bit. A run
 killed outright cannot remove its directory, and a requeued run on shared scratch would
-pile one up per kill (a client state per client: gigabytes): its name holds the host and
-the pid, and a store's first spill removes those of processes on this host that are gone.
-A
-state lives in exactly one place, memory or disk, and comes back bit for bit.
+pile one up per kill (a state per client: gigabytes), so the directory's name holds the
+host and the pid, and a store's first spill removes those of gone processes on its host.
 ``items()`` visits every client's state without loading the spilled ones into the
 budget, which is what a checkpoint needs; ``load_state_dict`` restores them.
 """
