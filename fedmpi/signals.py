@@ -35,8 +35,11 @@ def _handler(signum, frame) -> None:
         if _requested:
             raise KeyboardInterrupt
         if launcher_rank() == 0:
-            os.write(2, b"\nfedmpi: Ctrl-C: stopping after this round (checkpoint, exit 75); "
-                        b"Ctrl-C again stops now\n")
+            try:   # an exception here would surface wherever the run was: never raise
+                os.write(2, b"\nfedmpi: Ctrl-C: stopping after this round (checkpoint, exit 75); "
+                            b"Ctrl-C again stops now\n")
+            except OSError:   # stderr's reader is gone (`2>&1 | head`) or its disk full
+                pass
     _requested = True
 
 

@@ -8,11 +8,14 @@ first handler deadlocks the rank (it waits for a lock its own interrupted frame 
 until SLURM's SIGKILL, and the results file stays `running`.
 """
 
+import os
+import signal
 import subprocess
 import sys
 import textwrap
 
 from conftest import ROOT
+from fedmpi import signals
 
 STORM = textwrap.dedent("""
     import os, signal, sys, threading, time
@@ -55,3 +58,24 @@ def test_stop_signals_arriving_inside_a_handler_do_not_deadlock():
     proc = subprocess.run([sys.executable, "-c", STORM.replace("PAIRS", "2000")], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.startswith("ok"), proc.stderr[-2000:]
+
+
+def test_ctrl_c_with_stderr_gone_still_stops_at_the_round(monkeypatch):
+    """The Ctrl-C handler's notice to a stderr whose reader is gone (`2>&1 | head`) raised
+    BrokenPipeError inside the handler, wherever the run was: the run failed instead of
+    checkpointing. The notice is dropped; the request stands."""
+    monkeypatch.delenv("OMPI_COMM_WORLD_RANK", raising=False)
+    read, write = os.pipe()
+    os.close(read)   # no reader: a write raises BrokenPipeError (Python ignores SIGPIPE)
+    saved = os.dup(2)
+    try:
+        os.dup2(write, 2)
+        signals._handler(signal.SIGINT, None)
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(write)
+    try:
+        assert signals.requested()
+    finally:
+        signals.clear()
