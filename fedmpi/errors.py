@@ -37,12 +37,16 @@ def storage_full(exc: BaseException | None) -> str | None:
                 name = getattr(exc, "filename", None)
                 if not name and (found := re.search(r"filename = '([^']*)'", text)):
                     name = found.group(1)
-                return f"{name or 'a file'}: {_FULL[code]}"
+                return f"{name or 'the output'}: {_FULL[code]}"
         exc = exc.__cause__ or exc.__context__
     return None
 
 
-def storage_full_message(full: str) -> str:
+def storage_full_message(full: str, run: bool = True) -> str:
+    """The one line for ``storage_full``; ``run``: a command that writes a results file
+    (the advice to resume is for it alone)."""
+    if not run:   # `fedmpi config > /dev/full`, a report into a full disk
+        return f"cannot write {full}; free space, or send it elsewhere"
     return (f"cannot write {full}; free space (or choose another output), then run again: "
             f"fedmpi run --resume FILE continues a run from its last readable checkpoint")
 
@@ -52,6 +56,9 @@ class UsageError(ValueError):
 
     The message names the field (or path) and what is allowed, on one line.
     """
+
+
+_RUNS = ("run", "sweep")   # the commands that write results files (sweep --run-cell)
 
 
 def one_line_errors(command):
@@ -69,11 +76,14 @@ def one_line_errors(command):
             full = storage_full(exc)
             if full is None:
                 raise
-            _say(storage_full_message(full))
+            _say(storage_full_message(full, run=command.__name__ in _RUNS))
             # at once: the interpreter's clean-up would free HDF5 objects of a file that
             # cannot be written, and their failing flushes print tracebacks (or crash)
-            sys.stdout.flush()
-            sys.stderr.flush()
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except OSError:   # the full storage may be this stream's
+                    pass
             os._exit(EXIT_FAILED)
     return wrapper
 

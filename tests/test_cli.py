@@ -64,6 +64,17 @@ def test_a_closed_stdout_does_not_stop_the_run(tmp_path, stdout):
                        f"follow it with: fedmpi watch {out}\n")
 
 
+def test_output_into_a_full_disk_is_one_line_without_resume_advice():
+    """`fedmpi config > /dev/full`: one line; no `--resume` advice for a command that has
+    no run to resume."""
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-m", "fedmpi", "config"], stdout=full,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stderr == (
+        "fedmpi: cannot write the output: no space left on device; free space, or send it "
+        "elsewhere\n")
+
+
 def test_a_removed_working_directory_is_one_line(tmp_path):
     """A job started in a directory that was removed meanwhile (torch's MKL would die
     loading its libraries, exit 2 with a line about libtorch_cpu.so)."""
