@@ -223,7 +223,8 @@ def test_resume_refuses_other_arguments_and_missing_files(tmp_path):
     assert bad.returncode == 2 and "--resume FILE takes the config from FILE" in bad.stderr
     missing = fedmpi(["run", "--resume", str(tmp_path / "nothing.h5")])
     assert missing.returncode == 2 and "does not exist" in missing.stderr
-    fedmpi(["run", "-q", str(config), "-o", str(tmp_path / "a.h5")], check=True)
+    run_experiment(cfgmod.from_dict(merged(TINY, rounds=1, output=str(tmp_path / "a.h5"))),
+                   LocalComm(), quiet=True)
     exists = fedmpi(["run", str(config), "-o", str(tmp_path / "a.h5")])
     assert exists.returncode == 2 and "--resume" in exists.stderr
 
