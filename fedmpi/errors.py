@@ -1,8 +1,10 @@
 """The one exception type that the CLI turns into a one-line message and exit code 2, and
 the decorator that does it for every command (``fedmpi``'s, the analysis and sweep
 commands', the tools' scripts): below them all, so none imports another for it. The
-decorator also turns a write that found the disk, the quota or ``ulimit -f`` exhausted
-into one line and exit 1: not bad input, but nothing a traceback would explain better."""
+decorator also turns a write that found the disk, the quota or ``ulimit -f`` exhausted,
+and an allocation that found the memory exhausted (a model too large, ``ulimit -v``, a
+GPU), into one line and exit 1: not bad input, but nothing a traceback would explain
+better."""
 
 from __future__ import annotations
 
@@ -42,6 +44,33 @@ def storage_full(exc: BaseException | None) -> str | None:
     return None
 
 
+def out_of_memory(exc: BaseException | None) -> str | None:
+    """What could not be allocated, when ``exc`` (or an exception it was raised from or
+    while handling) is an allocation that failed: torch's on a CPU or a GPU, or Python's
+    MemoryError; None otherwise."""
+    torch = sys.modules.get("torch")
+    gpu = getattr(torch, "OutOfMemoryError", ()) if torch is not None else ()
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        text = str(exc)
+        if gpu and isinstance(exc, gpu):   # "CUDA out of memory. Tried to allocate 2.00 GiB. ..."
+            return ". ".join(text.split(". ")[:2]).rstrip(".")
+        if isinstance(exc, RuntimeError) and "can't allocate memory" in text:
+            found = re.search(r"tried to allocate (\d+) bytes", text)
+            return f"cannot allocate {int(found.group(1)) / 1e9:.1f} GB" if found else \
+                "cannot allocate memory"
+        if isinstance(exc, MemoryError):
+            return f"cannot allocate memory ({text})" if text else "cannot allocate memory"
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def out_of_memory_message(what: str) -> str:
+    return (f"out of memory: {what}; a smaller model, eval.batch_size or system.client_group "
+            f"needs less (a run goes on from its last checkpoint with fedmpi run --resume FILE)")
+
+
 def storage_full_message(full: str, run: bool = True) -> str:
     """The one line for ``storage_full``; ``run``: a command that writes a results file
     (the advice to resume is for it alone)."""
@@ -72,10 +101,14 @@ def one_line_errors(command):
         except UsageError as exc:
             _say(str(exc))
             sys.exit(EXIT_USAGE)
-        except (OSError, RuntimeError) as exc:
+        except (OSError, RuntimeError, MemoryError) as exc:
             full = storage_full(exc)
             if full is None:
-                raise
+                oom = out_of_memory(exc)
+                if oom is None:
+                    raise
+                _say(out_of_memory_message(oom))
+                sys.exit(EXIT_FAILED)
             _say(storage_full_message(full, run=command.__name__ in _RUNS))
             # at once: the interpreter's clean-up would free HDF5 objects of a file that
             # cannot be written, and their failing flushes print tracebacks (or crash)

@@ -8,9 +8,10 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+import torch
 
 from fedmpi import streams
-from fedmpi.errors import UsageError
+from fedmpi.errors import UsageError, out_of_memory
 from fedmpi.results import RunFile
 from fedmpi.results.writer import refuse_foreign
 
@@ -88,6 +89,32 @@ def test_output_into_a_full_disk_is_one_line_without_resume_advice():
     assert proc.returncode == 1 and proc.stderr == (
         "fedmpi: cannot write the output: no space left on device; free space, or send it "
         "elsewhere\n")
+
+
+def test_out_of_memory_is_one_line(tmp_path):
+    """A model too large for the memory (or ulimit -v, or a GPU): one line, exit 1, no
+    results file; torch's CPU and GPU errors and MemoryError are told apart from others.
+    3.2 PB: beyond any address space, whatever the kernel's overcommit policy."""
+    out = tmp_path / "r.h5"
+    proc = fedmpi(["run", str(write_config(tmp_path / "c.toml")), "-o", str(out),
+                   "--set", "model.hidden=100000000000000"])
+    assert proc.returncode == 1 and proc.stderr == (
+        "fedmpi: out of memory: cannot allocate 3200000.0 GB; a smaller model, eval.batch_size or "
+        "system.client_group needs less (a run goes on from its last checkpoint with fedmpi "
+        "run --resume FILE)\n")
+    assert not out.exists()
+    gpu = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a "
+                                 "total capacity of 79.10 GiB of which 1.02 GiB is free.")
+    assert out_of_memory(gpu) == "CUDA out of memory. Tried to allocate 2.00 GiB"
+    assert out_of_memory(MemoryError()) == "cannot allocate memory"
+    try:
+        try:
+            raise MemoryError("numpy")
+        except MemoryError as exc:
+            raise RuntimeError("while loading") from exc
+    except RuntimeError as chained:
+        assert out_of_memory(chained) == "cannot allocate memory (numpy)"
+    assert out_of_memory(RuntimeError("shape mismatch")) is None
 
 
 def test_a_removed_working_directory_is_one_line(tmp_path):

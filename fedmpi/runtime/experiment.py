@@ -40,7 +40,8 @@ import torch
 from .. import algorithms, signals
 from ..algorithms import group_sgd, local_sgd
 from ..config.validate import group_refusal
-from ..errors import UsageError, storage_full, storage_full_message
+from ..errors import (UsageError, out_of_memory, out_of_memory_message, storage_full,
+                      storage_full_message)
 from ..results.writer import FileReplacedError
 from .observers import RoundRecord, default_observers
 from .observers.divergence import DIVERGED
@@ -373,12 +374,17 @@ class Experiment:
             self.writer = None
         if self.comm.size > 1:
             self._release()   # before the abort, which ends this process: no lock file left
-            if isinstance(exc, UsageError) or full:  # one line: exit 2 (bad input) or 1
-                # in setup every rank meets the same error: the server speaks for all
-                if self.comm.is_server or self.ready:
+            oom = None if full else out_of_memory(exc)
+            if isinstance(exc, UsageError) or full or oom:  # one line: exit 2 (bad input) or 1
+                # in setup every rank meets the same error: the server speaks for all; memory
+                # runs out on a rank of its own (a GPU worker), which says which
+                if oom:
+                    print(f"fedmpi: rank {self.comm.rank}: {out_of_memory_message(oom)}",
+                          file=sys.stderr, flush=True)
+                elif self.comm.is_server or self.ready:
                     message = storage_full_message(full) if full else exc
                     print(f"fedmpi: {message}", file=sys.stderr, flush=True)
-                self.comm.abort(1 if full else 2)
+                self.comm.abort(2 if isinstance(exc, UsageError) else 1)
             traceback.print_exc()
             sys.stderr.flush()
             self.comm.abort(1)
