@@ -62,11 +62,23 @@ def out_of_memory(exc: BaseException | None) -> str | None:
                 "cannot allocate memory"
         if isinstance(exc, MemoryError):
             return f"cannot allocate memory ({text})" if text else "cannot allocate memory"
+        if isinstance(exc, ImportError) and "failed to map segment" in text:   # ulimit -v
+            return f"cannot load {text.split(':')[0]} ({_address_space()})"
         exc = exc.__cause__ or exc.__context__
     return None
 
 
+def _address_space() -> str:
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    return "no address-space limit" if limit == resource.RLIM_INFINITY else \
+        f"the address space is limited to {limit / 2 ** 30:.1f} GiB: ulimit -v"
+
+
 def out_of_memory_message(what: str) -> str:
+    if what.startswith("cannot load"):   # torch itself does not fit under ulimit -v
+        return f"out of memory: {what}; raise the limit"
     return (f"out of memory: {what}; a smaller model, eval.batch_size or system.client_group "
             f"needs less (a run goes on from its last checkpoint with fedmpi run --resume FILE)")
 
@@ -101,7 +113,7 @@ def one_line_errors(command):
         except UsageError as exc:
             _say(str(exc))
             sys.exit(EXIT_USAGE)
-        except (OSError, RuntimeError, MemoryError) as exc:
+        except (OSError, RuntimeError, MemoryError, ImportError) as exc:
             full = storage_full(exc)
             if full is None:
                 oom = out_of_memory(exc)

@@ -115,6 +115,14 @@ def test_out_of_memory_is_one_line(tmp_path):
     except RuntimeError as chained:
         assert out_of_memory(chained) == "cannot allocate memory (numpy)"
     assert out_of_memory(RuntimeError("shape mismatch")) is None
+    # torch that cannot even be loaded under the address-space limit
+    limited = subprocess.run(["bash", "-c", 'ulimit -v 1500000 && exec "$0" -m fedmpi run "$1"',
+                              sys.executable, str(tmp_path / "c.toml")],
+                             capture_output=True, text=True, timeout=120)
+    assert limited.returncode == 1, limited.stderr
+    assert limited.stderr.startswith("fedmpi: out of memory: cannot load lib")   # libtorch_cpu.so
+    assert limited.stderr.endswith(" (the address space is limited to 1.4 GiB: ulimit -v); "
+                                   "raise the limit\n") and limited.stderr.count("\n") == 1
 
 
 def test_a_removed_working_directory_is_one_line(tmp_path):
