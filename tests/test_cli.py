@@ -14,6 +14,7 @@ from fedmpi import streams
 from fedmpi.errors import UsageError, out_of_memory
 from fedmpi.results import RunFile
 from fedmpi.results.writer import refuse_foreign
+from fedmpi.runtime.runfile import command_line
 
 from conftest import ROOT, fedmpi, mpirun, needs_mpi
 from helpers import TINY, write_config
@@ -123,6 +124,13 @@ def test_out_of_memory_is_one_line(tmp_path):
     assert limited.stderr.startswith("fedmpi: out of memory: cannot load lib")   # libtorch_cpu.so
     assert limited.stderr.endswith(" (the address space is limited to 1.4 GiB: ulimit -v); "
                                    "raise the limit\n") and limited.stderr.count("\n") == 1
+
+
+def test_the_command_line_is_recorded_whatever_its_bytes(monkeypatch):
+    """`fedmpi run $'\\xfe.toml'` (a config file named in another encoding) failed at the
+    end of setup: the results file could not store the command as text."""
+    monkeypatch.setattr(sys, "argv", ["fedmpi", "run", "\udcfe.toml", "-o", "r.h5"])
+    assert command_line() == "fedmpi run \\xfe.toml -o r.h5"
 
 
 def test_a_removed_working_directory_is_one_line(tmp_path):

@@ -346,6 +346,10 @@ def test_dataset_options_are_checked_before_mpi(overrides, words):
                  id="output-dotdot"),
     pytest.param(['output="runs/a\\u0000b.h5"'],
                  "config field output: must not contain control characters", id="output-nul"),
+    pytest.param(["output=r\udcff.h5"], "config field output: must be UTF-8 text (the results "
+                 "file stores it as such), got 'r\\udcff.h5'", id="output-not-utf8"),
+    pytest.param(["data.data_dir=/data/\udcfe"], "config field data.data_dir: must be UTF-8 text",
+                 id="data_dir-not-utf8"),
     pytest.param(['data.data_dir="data\\u0000"'],
                  "config field data.data_dir: must not contain control characters",
                  id="data_dir-nul"),

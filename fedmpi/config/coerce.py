@@ -34,7 +34,8 @@ def check_scalar(field_name: str, value: Any, allow_inf: bool = False, inf_hint:
     """Every value of a config, open sections included, recursively through lists and
     tables: numbers finite (NaN never; infinity only with ``allow_inf``, ``inf_hint`` says
     where it is allowed instead), integers within [-2**62, 2**62] (``seed``: [0, 2**64 - 1]),
-    strings free of control characters (NUL cuts a path short, a newline splits messages)."""
+    strings free of control characters (NUL cuts a path short, a newline splits messages)
+    and of bytes that are not UTF-8 (a file name in another encoding)."""
     if isinstance(value, bool):
         return
     if isinstance(value, int):
@@ -57,6 +58,9 @@ def check_scalar(field_name: str, value: Any, allow_inf: bool = False, inf_hint:
         bad = next((ch for ch in value if ord(ch) < 32 or ord(ch) == 127), None)
         if bad is not None:
             raise field_error(field_name, f"must not contain control characters, got {value!r}")
+        if any(0xD800 <= ord(ch) <= 0xDFFF for ch in value):   # undecodable bytes (argv, paths)
+            raise field_error(field_name, f"must be UTF-8 text (the results file stores it as "
+                                          f"such), got {value!r}")
     elif isinstance(value, (list, tuple)):
         for item in value:
             check_scalar(field_name, item, allow_inf, inf_hint)

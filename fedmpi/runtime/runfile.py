@@ -30,7 +30,7 @@ def create_file(exp, dataset, ranks) -> bool:
         "seed": cfg.seed, "torch_version": torch.__version__, "python": sys.version.split()[0],
         "num_params": exp.d, "dataset_source": dataset.source,
         "dataset_sha256": dataset.sha256(),
-        "algorithm_paper": exp.alg.paper, "command": " ".join(sys.argv),
+        "algorithm_paper": exp.alg.paper, "command": command_line(),
         "writer": liveness.identity(), "eval_batch_size": exp.eval_batch,
         "client_group": exp.group,
     }
@@ -148,6 +148,13 @@ def input_digests(cfg) -> dict[str, str]:
     files = {"profile_file_sha256": m.profile_file if m.profiles == "file" else "",
              "availability_file_sha256": m.availability_file if m.availability == "trace" else ""}
     return {k: hashlib.sha256(Path(f).read_bytes()).hexdigest() for k, f in files.items() if f}
+
+
+def command_line() -> str:
+    """The command as typed; bytes that are not UTF-8 (a file name in another encoding)
+    as \\xNN, which the results file can store."""
+    return " ".join(arg.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+                    for arg in sys.argv)
 
 
 def git_commit() -> str:
