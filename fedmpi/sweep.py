@@ -54,6 +54,7 @@ a file with any status -> ``fedmpi run --resume FILE``, which continues an inter
 died (``running``) or failed run from its last checkpoint and does nothing for a
 completed one. A sweep re-submitted after preemption, a time limit or a crash thus
 finishes exactly the cells that are not finished.
+
 A resume runs the config in the file, so a cell whose file holds another config than
 the sweep now gives it (an edited [set], base config or preset: names follow the grid
 values only) is refused, with the fields that differ (``config_changes``), rather than
@@ -168,8 +169,8 @@ def run_arguments(sweep: Sweep, cell: Cell, force: bool = False) -> list[str]:
 
 def config_changes(sweep: Sweep, cell: Cell) -> list[str]:
     """How the config in the cell's results file differs from the one the sweep gives the
-    cell now (an edited [set], base config or preset; ``--set``): one ``key: file value,
-    now value`` per field, [] without a file. Only fields both know are compared (another
+    cell now (an edited [set], base config or preset; ``--set``): one ``key = X in the
+    file, Y now`` per field, [] without a file. Only fields both know are compared (another
     fedmpi version may have fields the other lacks); ``output`` is the cell's own."""
     if not cell.output.exists():
         return []

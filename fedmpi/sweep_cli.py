@@ -4,8 +4,8 @@ Job scripts run one cell per job (or array task) with ``--run-cell I`` under sru
 mpirun: every rank runs the same command, reads the same sweep and the same results
 file, and so takes the same decision (completed: nothing to do; file exists: resume;
 no file: fresh run; a file of another config: refused) before any rank can change the
-file: rank 0 creates or reopens
-it only after every rank has joined the run's first collective.
+file: rank 0 creates or reopens it only after every rank has joined the run's first
+collective.
 
 Registered in ``fedmpi/cli.py`` with ``main.add_command(sweep)``.
 """
