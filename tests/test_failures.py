@@ -156,6 +156,19 @@ def test_a_run_whose_file_is_replaced_stops_and_leaves_the_new_file_alone(tmp_pa
     assert out.read_bytes() == replaced
 
 
+def test_a_run_whose_file_is_removed_stops_with_one_line(tmp_path):
+    """`rm run.h5` under a live run: at its next checkpoint the run stops with one line
+    (it was a FileNotFoundError traceback), makes no new file, and leaves no lock."""
+    proc = start_run(write_config(tmp_path / "c.toml", **LONG), tmp_path / "run.h5")
+    wait_rounds(tmp_path / "run.h5", 3, proc)
+    os.unlink(tmp_path / "run.h5")
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and err == (
+        f"fedmpi: results file {tmp_path / 'run.h5'} was removed by another process during this "
+        f"run; its rounds went with it\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.toml"]
+
+
 def test_divergence_names_the_round_as_progress_lines_count_it(tmp_path):
     config = write_config(tmp_path / "c.toml", rounds=3, train={"lr": 1e30, "clip_norm": 0.0})
     out = tmp_path / "nan.h5"

@@ -196,7 +196,11 @@ class ResultsWriter:
         Why reopen: a SWMR writer may only append to existing datasets.
         """
         self._file.close()
-        self._file = _reopen(self.path)
+        try:
+            self._file = _reopen(self.path)
+        except FileNotFoundError:   # `rm` of the file: what it held went with it
+            raise FileReplacedError(f"results file {self.path} was removed by another process "
+                                    f"during this run; its rounds went with it") from None
         if _inode(self.path) != self._inode:
             self._file.close()
             raise FileReplacedError(f"results file {self.path} was replaced by another process "
