@@ -122,13 +122,13 @@ def _check_output(path, force: bool) -> None:
     if path.is_dir():
         raise UsageError(f"results file {path} is a directory; give a file path such as "
                          f"{path / 'run.h5'} with -o/--output")
+    from .results.writer import refuse_foreign
+
+    refuse_foreign(path)   # not a results file: never overwritten, --force or not
     if path.exists() and not force:
         raise UsageError(f"results file {path} exists; pass --force to overwrite it, "
                          f"--resume {path} to continue it, or choose another with -o/--output")
     _refuse_live_writer(path)
-    from .results.writer import refuse_foreign
-
-    refuse_foreign(path)
     parent = Path(path).absolute().parent
     while not parent.exists():
         parent = parent.parent

@@ -1,6 +1,7 @@
 """The command line as a user meets it: real subprocesses, real files."""
 
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -174,6 +175,15 @@ def test_force_overwrites_results_files_only(tmp_path):
     (tmp_path / "empty.h5").write_bytes(b"")
     for name in ("run.h5", "cut.h5", "empty.h5", "absent.h5"):
         refuse_foreign(tmp_path / name)
+    # no file at all: `-o /dev/null --force` as root replaced the device with an HDF5 file
+    # (checked on the library call only: the command line gets a named pipe, so that a
+    # regression can't take /dev/null from the machine)
+    with pytest.raises(UsageError, match="exists and is a character device, not a file"):
+        refuse_foreign("/dev/null")
+    os.mkfifo(tmp_path / "pipe")
+    assert_usage_error(fedmpi(["run", str(config), "-o", str(tmp_path / "pipe"), "--force"]),
+                       f"results file {tmp_path / 'pipe'} exists and is a named pipe, not a file")
+    assert stat.S_ISFIFO(os.stat(tmp_path / "pipe").st_mode)
 
 
 @pytest.mark.slow

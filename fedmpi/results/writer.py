@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import socket
+import stat
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
@@ -495,10 +496,21 @@ def _prepare_path(path: Path, force: bool) -> None:
 
 def refuse_foreign(path) -> None:
     """--force overwrites results files only: an existing file that is not one (the
-    config itself, a dataset, notes: ``-o exp.toml --force``) is a UsageError. A results
-    file cut short or left open by a dead writer (HDF5 that fails to open), and an empty
-    file, may be overwritten."""
+    config itself, a dataset, notes: ``-o exp.toml --force``) or that is no file at all
+    (``-o /dev/null``, which as root would be replaced by a file) is a UsageError. A
+    results file cut short or left open by a dead writer (HDF5 that fails to open), and
+    an empty file, may be overwritten."""
     path = Path(path)
+    try:
+        mode = path.stat().st_mode   # through links: /dev/stdout is a link to a pipe
+    except OSError:
+        return   # nothing there (or a dangling link): nothing to lose
+    kinds = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+             (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket"))
+    kind = next((name for test, name in kinds if test(mode)), None)
+    if kind:   # `-o /dev/null --force` as root would replace the device with a file
+        raise UsageError(f"results file {path} exists and is {kind}, not a file; fedmpi "
+                         f"writes its results to a file of their own: choose one with -o/--output")
     try:
         if not path.is_file() or path.stat().st_size == 0:
             return
