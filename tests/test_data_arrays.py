@@ -338,6 +338,12 @@ def test_bad_files_are_one_line_usage_errors(tmp_path):
     good = write(tmp_path / "good.npz", **tabular())
     assert refused(tmp_path / "nope.npz") == f"config field data.path: {tmp_path / 'nope.npz'} does not exist"
     assert "is a directory" in refused(tmp_path)
+    # a link to a device: to /dev/zero, np.load read until the node ran out of memory
+    # (/dev/null here, which a regression reads harmlessly and the message still tells)
+    (tmp_path / "device.npz").symlink_to("/dev/null")
+    assert refused(tmp_path / "device.npz") == (
+        f"config field data.path: {tmp_path / 'device.npz'} is not a regular file (a device, a "
+        f"pipe or a socket); give the .npz or HDF5 file")
     (tmp_path / "x.csv").write_text("1,2\n")
     assert "not an .npz or HDF5 file name" in refused(tmp_path / "x.csv")
     (tmp_path / "noise.npz").write_bytes(np.random.default_rng(0).bytes(300))

@@ -74,6 +74,9 @@ def _file(path) -> Path:
                          f"(.npz, .h5, .hdf5)")
     if not file.exists():
         raise UsageError(f"config field data.path: {path} does not exist")
+    if not file.is_file():   # a link to /dev/zero: np.load read it until the node ran out
+        raise UsageError(f"config field data.path: {path} is not a regular file (a device, "
+                         f"a pipe or a socket); give the .npz or HDF5 file")
     return file
 
 
