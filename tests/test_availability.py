@@ -277,6 +277,13 @@ def write_text(path, text: str) -> str:
     return str(path)
 
 
+def device_link(path) -> str:
+    """A link to a device: to /dev/zero, a CSV line that never ends (/dev/null here, which
+    a regression reads harmlessly and the message still tells)."""
+    path.symlink_to("/dev/null")
+    return str(path)
+
+
 def bad_file(tmp_path, kind: str) -> str:
     """A profile table that is wrong in one way."""
     table = profile_table(12)
@@ -314,6 +321,8 @@ def bad_file(tmp_path, kind: str) -> str:
     (lambda d: {"profiles": "file", "profile_file": bad_file(d, "duplicate")},
      "system_model.profile_file: {d}/bad.csv: client"),
     (lambda d: {"profiles": "file"}, "system_model.profile_file: needs a file path"),
+    (lambda d: {"profiles": "file", "profile_file": device_link(d / "dev.csv")},
+     "system_model.profile_file: {d}/dev.csv is not a regular file (a device, a pipe or a socket)"),
     (lambda d: {**LOGNORMAL, "profile_file": bad_file(d, "ok")},
      "system_model.profile_file: is read with system_model.profiles = \"file\" only"),
     (lambda d: {**LOGNORMAL, "availability": "trace", "availability_file": str(d / "none.csv")},
@@ -341,7 +350,7 @@ def bad_file(tmp_path, kind: str) -> str:
     (lambda d: {**LOGNORMAL, "policy": "fedasync", "dropout": 0.1},
      "system_model.dropout: system_model.policy 'fedasync' has no mid-round dropout"),
 ], ids=["missing-file", "malformed-csv", "not-a-number", "missing-column", "missing-client",
-        "negative-bandwidth", "duplicate-client", "no-path", "file-without-profiles-file",
+        "negative-bandwidth", "duplicate-client", "no-path", "device", "file-without-profiles-file",
         "missing-trace", "trace-end-before-start", "trace-missing-column", "unknown-availability", "p-above-1", "p-zero", "markov-p-zero",
         "diurnal-base", "dropout-1", "without-clock", "async-availability", "async-dropout"])
 def test_bad_availability_or_profile_file_is_a_one_line_error(tmp_path, section, message):

@@ -120,6 +120,9 @@ def read_table(path, columns: tuple[str, ...], field: str) -> dict[str, np.ndarr
         raise bad(f"{path} does not exist")
     if file.is_dir():
         raise bad(f"{path} is a directory; give a .csv or .npz file")
+    if not file.is_file():   # a link to /dev/zero: a CSV line that never ends
+        raise bad(f"{path} is not a regular file (a device, a pipe or a socket); give a .csv "
+                  f"or .npz file")
     suffix = file.suffix.lower()
     if suffix not in (".csv", ".npz"):
         raise bad(f"{path} is not a .csv or .npz file name")
