@@ -158,8 +158,6 @@ def _resume_config(path, other_arguments):
     if other_arguments:
         raise UsageError("--resume FILE takes the config from FILE: drop the config file, "
                          "--preset, --set, -o and --force")
-    if Path(path).is_symlink():   # continue the file the link names: its lock, its repair
-        path = str(Path(path).resolve())   # (a repaired copy would replace the link instead)
     if Path(path).is_dir():
         raise UsageError(f"--resume {path}: is a directory; give the run's results file (.h5)")
     if Path(path).is_file():

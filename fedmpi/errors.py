@@ -22,14 +22,21 @@ _FULL = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exce
          errno.EFBIG: "file size limit exceeded (ulimit -f)"}
 
 
+def _chain(exc: BaseException | None):
+    """``exc``, then what it was raised from or while handling, and so on (once each)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
 def storage_full(exc: BaseException | None) -> str | None:
     """'PATH: no space left on device' (or the quota, or ``ulimit -f``) when ``exc``, or
     an exception it was raised from or while handling, is a write that found the storage
     full; None otherwise. h5py reports HDF5's failed writes as RuntimeError or OSError
     whose text carries ``errno = 28`` and ``filename = '...'``."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
+    for exc in _chain(exc):
         if isinstance(exc, (OSError, RuntimeError)):
             text = str(exc)
             code = getattr(exc, "errno", None)
@@ -40,7 +47,6 @@ def storage_full(exc: BaseException | None) -> str | None:
                 if not name and (found := re.search(r"filename = '([^']*)'", text)):
                     name = found.group(1)
                 return f"{name or 'the output'}: {_FULL[code]}"
-        exc = exc.__cause__ or exc.__context__
     return None
 
 
@@ -50,9 +56,7 @@ def out_of_memory(exc: BaseException | None) -> str | None:
     MemoryError; None otherwise."""
     torch = sys.modules.get("torch")
     gpu = getattr(torch, "OutOfMemoryError", ()) if torch is not None else ()
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
+    for exc in _chain(exc):
         text = str(exc)
         if gpu and isinstance(exc, gpu):   # "CUDA out of memory. Tried to allocate 2.00 GiB. ..."
             return ". ".join(text.split(". ")[:2]).rstrip(".")
@@ -64,7 +68,6 @@ def out_of_memory(exc: BaseException | None) -> str | None:
             return f"cannot allocate memory ({text})" if text else "cannot allocate memory"
         if isinstance(exc, ImportError) and "failed to map segment" in text:   # ulimit -v
             return f"cannot load {text.split(':')[0]} ({_address_space()})"
-        exc = exc.__cause__ or exc.__context__
     return None
 
 

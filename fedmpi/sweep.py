@@ -167,33 +167,30 @@ def run_arguments(sweep: Sweep, cell: Cell, force: bool = False) -> list[str]:
     return sweep.fresh_arguments(cell) + (["--force"] if force else [])
 
 
-def config_changes(sweep: Sweep, cell: Cell) -> list[str]:
-    """How the config in the cell's results file differs from the one the sweep gives the
-    cell now (an edited [set], base config or preset; ``--set``): one ``key = X in the
-    file, Y now`` per field, [] without a file. Only fields both know are compared (another
-    fedmpi version may have fields the other lacks); ``output`` is the cell's own."""
+def cell_state(sweep: Sweep, cell: Cell) -> tuple[str, list[str]]:
+    """The cell's status (``missing`` or the file's: running | completed | failed |
+    interrupted) and its ``config_changes``, from one read of its file."""
     if not cell.output.exists():
-        return []
+        return "missing", []
     import json
 
     from .analysis.runs import flatten
     from .results import RunFile
 
     with RunFile(cell.output) as run:
-        was = flatten(run.config)
+        status, was = run.status, flatten(run.config)
     now = flatten(json.loads(json.dumps(sweep.config(cell).to_dict())))
-    return [f"{key} = {toml_value(was[key])} in the file, {toml_value(now[key])} now"
-            for key in sorted(was.keys() & now.keys()) if key != "output" and was[key] != now[key]]
+    return status, [f"{key} = {toml_value(was[key])} in the file, {toml_value(now[key])} now"
+                    for key in sorted(was.keys() & now.keys())
+                    if key != "output" and was[key] != now[key]]
 
 
-def cell_status(cell: Cell) -> str:
-    """``missing`` or the file's status: running | completed | failed | interrupted."""
-    if not cell.output.exists():
-        return "missing"
-    from .results import RunFile
-
-    with RunFile(cell.output) as run:
-        return run.status
+def config_changes(sweep: Sweep, cell: Cell) -> list[str]:
+    """How the config in the cell's results file differs from the one the sweep gives the
+    cell now (an edited [set], base config or preset; ``--set``): one ``key = X in the
+    file, Y now`` per field, [] without a file. Only fields both know are compared (another
+    fedmpi version may have fields the other lacks); ``output`` is the cell's own."""
+    return cell_state(sweep, cell)[1]
 
 
 # ---- parsing ----------------------------------------------------------------------------

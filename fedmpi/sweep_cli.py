@@ -91,7 +91,7 @@ def _list(plan, cells, header: bool) -> None:
     width = len(str(len(plan) - 1))
     for cell in cells:
         try:
-            status, changes = sweeps.cell_status(cell), sweeps.config_changes(plan, cell)
+            status, changes = sweeps.cell_state(plan, cell)
         except UsageError:
             status, changes = "unreadable", []
         status = "changed" if changes else status
@@ -107,9 +107,8 @@ def _run_cell(plan, cell, force: bool, quiet: bool) -> None:
     from .cli import main
 
     speak = launcher_rank() == 0 and not quiet
-    status = sweeps.cell_status(cell)
-    changes = [] if force else sweeps.config_changes(plan, cell)
-    if changes:
+    status, changes = sweeps.cell_state(plan, cell)
+    if changes and not force:
         raise UsageError(f"{_which(plan, cell)}: {cell.output} holds a run of another config "
                          f"({'; '.join(changes)}); restore the {_what(plan)} to continue that "
                          f"run, or pass --force to start afresh over it"

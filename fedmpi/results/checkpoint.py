@@ -132,24 +132,25 @@ def read(h5file: h5py.File) -> Checkpoint | None:
         slot = root.get(f"slot{index}")
         if slot is None or "round" not in slot.attrs:
             continue
-        problem = _check(slot)
+        server, problem = _check(slot)
         if problem is None:
-            server = {name: ds[()] for name, ds in slot["server"].items()}
             return Checkpoint(int(slot.attrs["round"]), server, slot["clients"], skipped, index)
         skipped.append(f"the checkpoint after round {int(slot.attrs['round'])} is damaged "
                        f"({problem})")
     raise Damaged("; ".join(skipped))
 
 
-def _check(slot: h5py.Group) -> str | None:
-    """What is wrong with a slot's content, or None (also for a slot without a digest)."""
+def _check(slot: h5py.Group) -> tuple[dict[str, np.ndarray], str | None]:
+    """The slot's server arrays, read once, and what is wrong with the slot's content, or
+    None (also for a slot without a digest)."""
     recorded = slot.attrs.get("crc32")
-    if recorded is None:
-        return None
-    digest = _Digest()
+    if recorded is None:   # written before the digest: read as before, nothing to check
+        return {name: ds[()] for name, ds in slot["server"].items()}, None
+    server, digest = {}, _Digest()
     try:
         for name in sorted(slot["server"]):
-            digest.array(name, slot["server"][name][()])
+            server[name] = slot["server"][name][()]
+            digest.array(name, server[name])
         group = slot["clients"]
         count = int(group.attrs.get("count", 0))
         names = sorted(k for k in group if k != "ids")
@@ -161,10 +162,10 @@ def _check(slot: h5py.Group) -> str | None:
             for i, client in enumerate(ids[start:start + step].tolist()):
                 digest.client(client, {n: block[n][i] for n in names})
     except (OSError, KeyError, ValueError) as exc:
-        return f"unreadable: {exc}"
+        return server, f"unreadable: {exc}"
     if digest.value != int(recorded):
-        return "its CRC-32 does not match what was written"
-    return None
+        return server, "its CRC-32 does not match what was written"
+    return server, None
 
 
 class _Digest:

@@ -8,10 +8,27 @@ from another host the answer is "unknown" and callers fall back to the file's pr
 
 from __future__ import annotations
 
+import glob
 import os
+import re
 import socket
+from pathlib import Path
 
 ALIVE, GONE, UNKNOWN = "alive", "gone", "unknown"
+
+
+def left_by_the_dead(parent: Path, prefix: str, rest: str) -> list[Path]:
+    """What processes on this host that are gone left in ``parent`` under names
+    ``{prefix}{host}.{pid}{rest}`` (``rest`` a glob that starts with no digit): the
+    temporaries and spill directories of runs killed outright, which nothing else removes."""
+    host = socket.gethostname()
+    start = f"{prefix}{host}."
+    found = []
+    for path in Path(parent).glob(f"{glob.escape(start)}*{rest}"):
+        pid = re.match(r"\d+", path.name[len(start):])
+        if pid and state({"host": host, "pid": int(pid.group())}) == GONE:
+            found.append(path)
+    return found
 
 
 def identity(pid: int | None = None) -> dict:

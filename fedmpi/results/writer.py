@@ -9,7 +9,6 @@ leaves SWMR for the duration of the change.
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import os
@@ -357,12 +356,9 @@ def _salvage(path: Path, copy: Path) -> repair.Assessment:
 def _temporary(path: Path, kind: str) -> Path:
     """A hidden name beside ``path`` for a file being built: ``.run.h5.<host>.<pid>.tmp``.
     Leftovers of processes on this host that died building one are removed first."""
-    host = socket.gethostname()
-    for old in path.parent.glob(f".{glob.escape(path.name)}.{glob.escape(host)}.*.{kind}"):
-        pid = old.name[len(path.name) + len(host) + 3:-len(kind) - 1]
-        if pid.isdigit() and liveness.state({"host": host, "pid": int(pid)}) == liveness.GONE:
-            old.unlink(missing_ok=True)
-    return path.parent / f".{path.name}.{host}.{os.getpid()}.{kind}"
+    for old in liveness.left_by_the_dead(path.parent, f".{path.name}.", f".{kind}"):
+        old.unlink(missing_ok=True)
+    return path.parent / f".{path.name}.{socket.gethostname()}.{os.getpid()}.{kind}"
 
 
 def _drop(path: Path, names: list[str]) -> None:

@@ -61,6 +61,8 @@ def resume_file(exp, dataset, ranks) -> bool:
     """Continue the file's run: state from its checkpoint (or round 0 without one).
     Returns whether the file has the initial model's row (round 0)."""
     path = exp.config.output_path()
+    if path.is_symlink():   # continue the file the link names: its lock, its repair (a
+        path = path.resolve()   # repaired copy would replace the link, the file stay broken)
     exp.lock = RunLock.acquire(path)
     recovered = recover_crashed(path)
     if recovered:

@@ -19,7 +19,6 @@ budget, which is what a checkpoint needs; ``load_state_dict`` restores them.
 
 from __future__ import annotations
 
-import glob
 import os
 import shutil
 import socket
@@ -182,12 +181,8 @@ def _remove_dead(parent: Path) -> None:
     are gone (killed outright: no ``close``)."""
     from ..results import liveness
 
-    host = socket.gethostname()
-    start = len(f"fedmpi-state-{host}.")
-    for old in parent.glob(f"fedmpi-state-{glob.escape(host)}.*-*"):
-        pid = old.name[start:].split("-")[0]
-        if pid.isdigit() and liveness.state({"host": host, "pid": int(pid)}) == liveness.GONE:
-            shutil.rmtree(old, ignore_errors=True)
+    for old in liveness.left_by_the_dead(parent, "fedmpi-state-", "-*"):
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _check_writable(directory: Path) -> None:

@@ -46,10 +46,10 @@ class Storage(Observer):
 
     def before_round(self, exp, t: int) -> None:
         if exp.comm.is_server:
-            self.start = _size(exp.config.output_path())
+            self.start = _size(exp.writer.path)
 
     def after_round(self, exp, record) -> None:
-        path = exp.config.output_path()
+        path = exp.writer.path   # the file written (a resume through a link: its target)
         size = _size(path)
         if size is None:
             return
