@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import figures
 from .data import load_dataset
 from .data.heterogeneity import format_summary, plot_heatmap, summary
 from .runtime.federation import federate
@@ -15,6 +16,8 @@ from .runtime.federation import federate
 
 def preview(config, plot: str | None = None) -> str:
     """Statistics of the split as text lines; with ``plot``, the client x class heatmap."""
+    if plot:   # a name matplotlib cannot write is refused before the data set loads
+        figures.check_path(plot, "heatmap file", "--plot")
     dataset = load_dataset(config.data.dataset, config.data.data_dir, seed=config.seed,
                            **config.data.options)
     split = federate(config, dataset)

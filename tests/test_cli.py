@@ -1,6 +1,7 @@
 """The command line as a user meets it: real subprocesses, real files."""
 
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -276,6 +277,33 @@ def test_partition_preview_prints_statistics_and_draws_the_heatmap(tmp_path):
     bad = fedmpi(["partition", "--preset", "default", "--set", "partition.kind=pathological",
                   "--set", "partition.n=11"])
     assert bad.returncode == 2 and "partition.n" in bad.stderr and len(bad.stderr.splitlines()) == 1
+
+
+def test_figure_files_that_cannot_be_written_are_one_line(tmp_path):
+    """`--plot run.h5` or `--plot exp.toml` (a slip of the results or config file) ended in
+    matplotlib's traceback, as did a missing folder or a pipe; `fedmpi plot -o` had the
+    same answers already (tests/test_plot_watch.py). Now one line, and the file named keeps
+    its bytes."""
+    pytest.importorskip("matplotlib")
+    from fedmpi import config as fconfig
+    from fedmpi.preview import preview
+
+    config = write_config(tmp_path / "c.toml")
+    text = config.read_bytes()
+    pipe = tmp_path / "p.png"
+    os.mkfifo(pipe)
+    values = fconfig.from_dict(TINY)
+    for path, says in ((config, ": the name must end in a format matplotlib writes, e.g. .png"),
+                       (tmp_path / "r.h5", ": the name must end in a format"),
+                       (tmp_path / "no" / "h.png", f"cannot be written ({tmp_path / 'no'} is not a folder)"),
+                       (config / "h.png", f"cannot be written ({config} is not a folder)"),
+                       (pipe, "cannot be written (File or stream is not seekable.)")):
+        if path.suffix == ".h5":
+            path.write_bytes(b"\x89HDF\r\n\x1a\n")
+        with pytest.raises(UsageError, match=f"^heatmap file {re.escape(str(path))} ?{re.escape(says)}"):
+            preview(values, plot=path)
+    assert (tmp_path / "r.h5").read_bytes() == b"\x89HDF\r\n\x1a\n" and pipe.is_fifo()
+    assert config.read_bytes() == text
 
 
 @pytest.mark.slow

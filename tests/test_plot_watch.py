@@ -1,6 +1,8 @@
 """`fedmpi plot` (a real PNG per x axis, lines and bands) and `fedmpi watch` (a real run
 followed live from another process, and the exit code of each final status)."""
 
+import os
+import re
 import subprocess
 import sys
 import time
@@ -11,6 +13,7 @@ from helpers import write_config
 from test_analysis import run_cli, write_run
 
 from fedmpi import analysis as fa
+from fedmpi.errors import UsageError
 
 PNG = b"\x89PNG\r\n\x1a\n"
 NAN = float("nan")
@@ -74,19 +77,25 @@ def test_plot_bad_input_is_one_line_and_exit_2(runs_dir, tmp_path):
                        (["plot", runs_dir, "-o", tmp_path / "a.png", "-g", "lr"], "config key 'lr'")):
         proc = run_cli(args)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and says in proc.stderr, proc.stderr
+    runs, pipe = fa.load(runs_dir), tmp_path / "p.png"
+    os.mkfifo(pipe)
+    for path, says in ((tmp_path / "no" / "a.png", f"cannot be written ({tmp_path / 'no'} is not a folder)"),
+                       (pipe, "cannot be written (File or stream is not seekable.)")):
+        with pytest.raises(UsageError, match=f"^plot file {re.escape(str(path))} {re.escape(says)}$"):
+            fa.plot.save_plot(runs, path)
 
 
 def test_plot_y_from_starts_the_accuracy_axis_there(runs_dir, tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
-    figures = []
-    make = fa.plot._figure
-    monkeypatch.setattr(fa.plot, "_figure", lambda: figures.append(make()) or figures[-1])
+    made = []
+    make = fa.plot.figures.new_figure
+    monkeypatch.setattr(fa.plot.figures, "new_figure", lambda *a, **k: made.append(make(*a, **k)) or made[-1])
     runs = fa.load(runs_dir)
     fa.plot.save_plot(runs, tmp_path / "a.png", y_from=0.6)
-    low, high = figures[-1][0].axes[0].get_ylim()
+    low, high = made[-1].axes[0].get_ylim()
     assert low == 60 and 82 < high < 90    # the data's top (82%) plus matplotlib's margin
     fa.plot.save_plot(runs, tmp_path / "b.png", y_from=1.0)   # above every point: not inverted
-    assert figures[-1][0].axes[0].get_ylim() == (100, 101)
+    assert made[-1].axes[0].get_ylim() == (100, 101)
     proc = run_cli(["plot", runs_dir, "-o", tmp_path / "c.png", "--y-from", "60%"])
     assert proc.returncode == 0 and (tmp_path / "c.png").read_bytes()[:8] == PNG, proc.stderr
     for args, says in ((["--y-from", "1.5"], "--y-from '1.5': give a fraction in (0, 1]"),

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fedmpi import figures
 from fedmpi.analysis import metrics
 from fedmpi.analysis.render import key_header, value
 from fedmpi.analysis.tables import check_keys, differing_keys
@@ -88,12 +89,7 @@ def save_plot(runs, path, x: str = "round", group_by=None, smooth: float | None 
     """Write the figure to ``path``; the format comes from its suffix (.png, .pdf, .svg).
     ``log_x``: a logarithmic x axis (points at x = 0, such as round 0, are left out).
     ``y_from``: the accuracy (a fraction) where the y axis starts; the top stays automatic."""
-    figure, canvas = _figure()
-    path = Path(path)
-    formats = canvas.get_supported_filetypes()
-    if path.suffix.lstrip(".").lower() not in formats:
-        raise UsageError(f"plot file {path}: the name must end in a format matplotlib writes, "
-                         f"e.g. .png, .pdf, .svg (allowed: {', '.join(sorted(formats))})")
+    figure = figures.new_figure("fedmpi plot", figsize=(6.4, 4.4), dpi=120)
     ax = figure.add_subplot()
     if spectrum:
         plot_spectrum(runs, ax)
@@ -105,11 +101,7 @@ def save_plot(runs, path, x: str = "round", group_by=None, smooth: float | None 
         ax.set_ylim(100 * y_from, max(ax.get_ylim()[1], 100 * y_from + 1))
     ax.set_title(title if title is not None else default_title(runs), fontsize="medium")
     figure.tight_layout()
-    try:
-        figure.savefig(path)
-    except OSError as exc:
-        raise UsageError(f"plot file {path} cannot be written ({exc.strerror or exc})") from exc
-    return path
+    return figures.save(figure, path, "plot file", "fedmpi plot")
 
 
 def default_title(runs) -> str:
@@ -126,17 +118,6 @@ def default_title(runs) -> str:
     if len(sampling) == 1 and sampling != {"uniform"}:
         parts.append(f"{sampling.pop()} sampling")
     return ", ".join(parts) or "test accuracy"
-
-
-def _figure():
-    """A pyplot-free figure on the Agg canvas; matplotlib is optional for fedmpi."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError as exc:
-        raise UsageError("fedmpi plot needs matplotlib: pip install matplotlib") from exc
-    figure = Figure(figsize=(6.4, 4.4), dpi=120)
-    return figure, FigureCanvasAgg(figure)
 
 
 def _style(xs) -> dict:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from fedmpi import figures
 from fedmpi.errors import UsageError
 
 
@@ -91,7 +92,6 @@ def plot_heatmap(counts: np.ndarray, path, title: str | None = None,
     Clients run along x, classes along y, colour = number of samples (white = none). Past
     `max_clients` clients only the first max_clients are drawn, and the title says so.
     """
-    Figure, FigureCanvasAgg, MaxNLocator = _matplotlib()
     if isinstance(max_clients, bool) or not isinstance(max_clients, (int, np.integer)) \
             or max_clients < 1:
         raise UsageError(f"max_clients={max_clients!r}: must be an integer >= 1")
@@ -100,8 +100,9 @@ def plot_heatmap(counts: np.ndarray, path, title: str | None = None,
     title = title or "samples per client and class"
     if len(counts) > max_clients:
         title += f" (first {max_clients} of {len(counts)} clients)"
-    fig = Figure(figsize=(min(4 + 0.05 * len(shown), 16), min(2 + 0.25 * counts.shape[1], 12)))
-    FigureCanvasAgg(fig)
+    fig = figures.new_figure("--plot", figsize=(min(4 + 0.05 * len(shown), 16),
+                                                min(2 + 0.25 * counts.shape[1], 12)))
+    from matplotlib.ticker import MaxNLocator
     ax = fig.add_subplot()
     # Zeros are masked (white), so one sample (yellow end of viridis_r) stands out from none.
     image = ax.imshow(np.ma.masked_equal(shown.T, 0), aspect="auto", interpolation="nearest",
@@ -112,16 +113,4 @@ def plot_heatmap(counts: np.ndarray, path, title: str | None = None,
         axis.set_major_locator(MaxNLocator(integer=True))
     ax.set(xlabel="client", ylabel="class")
     ax.set_title(title)
-    fig.savefig(path, dpi=100, bbox_inches="tight")
-
-
-def _matplotlib():
-    """Figure, the Agg canvas and MaxNLocator: the object API, so no pyplot global state and
-    no backend switch; imported here so that matplotlib stays optional."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-        from matplotlib.ticker import MaxNLocator
-    except ImportError:
-        raise UsageError("--plot needs matplotlib: pip install matplotlib") from None
-    return Figure, FigureCanvasAgg, MaxNLocator
+    figures.save(fig, path, "heatmap file", "--plot", dpi=100, bbox_inches="tight")
