@@ -47,7 +47,7 @@ can run one config or one cell of a sweep with the same resume-if-exists command
 
 **Validation.** ``load`` resolves every cell through ``fedmpi.config.resolve`` before
 anything runs; the first bad cell is a one-line ``UsageError`` naming the sweep file,
-the cell and the field.
+the cell and the field. A grid of more than ``MAX_CELLS`` cells is refused before any.
 
 **Re-running a cell** (``run_arguments``): no results file -> a fresh ``fedmpi run``;
 a file with any status -> ``fedmpi run --resume FILE``, which continues an interrupted,
@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,6 +79,10 @@ SWEEP_KEYS = ("name", "preset", "config", "outdir", "set", "grid")
 _SWEEP_MARKERS = ("preset", "config", "set", "grid")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._+-]")
 MAX_NAME = 200
+# Every cell is resolved and checked whenever the sweep is read (each array task reads
+# it), about 2.5 ms a cell: 100,000 cells take minutes. A larger grid is a slip (a list
+# of a million seeds), or a search that belongs in several sweeps.
+MAX_CELLS = 100_000
 
 
 @dataclass(frozen=True)
@@ -260,6 +265,12 @@ def _check_keys(path: Path, fixed: dict, grid: dict, extra: list[str]) -> None:
 
 def _cells(path: Path, fixed: dict, grid: dict, extra: list[str], directory: Path):
     keys = list(grid)
+    count = math.prod(len(values) for values in grid.values())
+    if count > MAX_CELLS:
+        sizes = " x ".join(f"{len(values)} {key}" for key, values in grid.items())
+        raise UsageError(f"sweep {path}: the grid has {count} cells ({sizes}); at most "
+                         f"{MAX_CELLS} are allowed, as each is checked whenever the sweep is "
+                         f"read: split it into several sweeps")
     common = [f"{k}={toml_value(v)}" for k, v in fixed.items()]
     seen: dict[str, int] = {}
     for index, point in enumerate(itertools.product(*grid.values())):

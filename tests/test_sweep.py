@@ -129,6 +129,12 @@ BAD = [
      "cells 0 and 1 both get the name 'data.data_dir=a_b'"),
     ('config = "base.toml"\nname = "a{b}"\n', "name may not contain braces"),
     ('config = "base.toml"\n[grid\n', "not valid TOML"),
+    # a grid of 10**9 cells was enumerated cell by cell: --count ran for hours
+    ('config = "base.toml"\n[grid]\nseed = [%s]\n"train.lr" = [%s]\n"rounds" = [%s]\n'
+     % (",".join(map(str, range(1000))), ",".join(str(i / 1e4) for i in range(1, 1001)),
+        ",".join(map(str, range(1, 1001)))),
+     "the grid has 1000000000 cells (1000 seed x 1000 train.lr x 1000 rounds); at most 100000 "
+     "are allowed, as each is checked whenever the sweep is read: split it into several sweeps"),
 ]
 
 

@@ -6,6 +6,7 @@ integers in int64 range, no control characters)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, get_type_hints
 
@@ -113,10 +114,17 @@ def _float(field_name: str, value: int | float) -> float:
         raise field_error(field_name, f"must be a finite number, got {value}") from None
 
 
+@functools.cache
+def type_hints(cls) -> dict:
+    """The section's field types; resolving its string annotations is most of a config's
+    validation time, and a sweep validates thousands of configs."""
+    return get_type_hints(cls)
+
+
 def build(cls, values: dict, prefix: str):
     """The dataclass ``cls`` from a TOML table, sections recursively (``prefix``: the
     dotted path, for messages); an open section's unknown keys go to its open field."""
-    hints = get_type_hints(cls)
+    hints = type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     open_field = OPEN_SECTIONS.get(prefix.rstrip("."))
     known, extra = {}, {}

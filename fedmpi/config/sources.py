@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import tomllib
 from importlib import resources
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any
 
 from ..errors import UsageError
+from .coerce import type_hints
 from .schema import ExperimentConfig
 from .validate import from_dict
 
@@ -30,6 +32,12 @@ def _read_toml(text: str, origin: str) -> dict:
 
 
 def load_preset(name: str) -> dict:
+    return copy.deepcopy(_preset(name))
+
+
+@functools.cache
+def _preset(name: str) -> dict:
+    """A preset is package data: read once (a sweep resolves it for each of its cells)."""
     if name not in presets():
         raise UsageError(f"preset {name!r} does not exist; available: {', '.join(presets())}")
     text = resources.files("fedmpi.presets").joinpath(f"{name}.toml").read_text()
@@ -141,7 +149,7 @@ def _given(section: str, overrides: list[str]) -> set[str]:
 
 
 def _drop_extras(section: str, node: dict, overrides: list[str]) -> None:
-    cls = get_type_hints(ExperimentConfig)[section]
+    cls = type_hints(ExperimentConfig)[section]
     fixed = {f.name for f in dataclasses.fields(cls)}
     given = _given(section, overrides)
     for key in [k for k in node if k not in fixed and k not in given]:
