@@ -37,8 +37,13 @@ def test_openmpi_variables(env):
     assert local_rank_info() == (2, 5)
 
 
+# the last rows are not SLURM's format (a copied environment): 1, never a traceback; a
+# repeat count of 10**12 is not expanded into a list
 @pytest.mark.parametrize("spec, node, size", [("3", "0", 3), ("5(x2),1", "1", 5),
-                                              ("5(x2),1", "2", 1), ("4(x3)", "7", 1)])
+                                              ("5(x2),1", "2", 1), ("4(x3)", "7", 1),
+                                              ("4(x1000000000000),2", "3", 4),
+                                              ("2(xabc)", "0", 1), ("2", "x", 1), ("2(x-1)", "0", 1),
+                                              ("-2", "0", 1)])
 def test_srun_without_ntasks_per_node_reads_the_step_layout(env, spec, node, size):
     env.setenv("SLURM_LOCALID", "1")
     env.setenv("SLURM_STEP_TASKS_PER_NODE", spec)

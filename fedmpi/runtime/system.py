@@ -46,14 +46,15 @@ def _slurm_tasks_on_node() -> int:
     """This node's task count from SLURM_STEP_TASKS_PER_NODE, e.g. "3(x2),1" -> 3 on the
     first nodes; SLURM_NODEID says which entry is ours."""
     spec = os.environ.get("SLURM_STEP_TASKS_PER_NODE") or os.environ.get("SLURM_TASKS_PER_NODE", "")
+    node = os.environ.get("SLURM_NODEID", "0") or "0"
     counts = []
     for part in filter(None, spec.split(",")):
         count, _, repeat = part.partition("(x")
-        if not count.isdigit():
-            return 1
-        counts += [int(count)] * (int(repeat.rstrip(")")) if repeat else 1)
-    node = int(os.environ.get("SLURM_NODEID", "0") or 0)
-    return counts[node] if node < len(counts) else 1
+        repeat = repeat.removesuffix(")") if repeat else "1"
+        if not (count.isdigit() and repeat.isdigit() and node.isdigit()):
+            return 1   # not SLURM's format: assume this rank is alone on its node
+        counts += [int(count)] * min(int(repeat), int(node) + 1)
+    return counts[int(node)] if int(node) < len(counts) else 1
 
 
 def choose_threads(requested: int, deterministic: bool, is_worker: bool, world_size: int,
