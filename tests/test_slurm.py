@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, needs_mpi
 from fedmpi import sweep as sweeps
 from fedmpi.errors import UsageError
 from fedmpi.results import open_run
@@ -94,6 +94,31 @@ def test_templates_share_one_job_block_and_parse():
         text = path.read_text()
         assert "#SBATCH --signal=B:USR1@" in text and "#SBATCH --requeue" in text, path.name
         subprocess.run(["bash", "-n", str(path)], check=True)
+
+
+@needs_mpi
+def test_array_template_refuses_a_cell_offset_that_is_not_a_number(tmp_path):
+    """Bash arithmetic read FEDMPI_CELL_OFFSET=1,000 and =abc as 0 and =01000 as octal 512:
+    the task silently ran another cell. The template runs directly here, as the batch
+    script a SLURM array task would run, under mpirun, as FEDMPI_LAUNCHER=mpirun has it."""
+    write_config(tmp_path / "base.toml", rounds=1)
+    (tmp_path / "s.toml").write_text('name = "g"\nconfig = "base.toml"\n[grid]\nseed = [0, 1]\n')
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "PYTHONPATH": str(ROOT), "SLURM_ARRAY_TASK_ID": "1", "SLURM_NTASKS": "1",
+           "FEDMPI_LAUNCHER": "mpirun", "OMPI_ALLOW_RUN_AS_ROOT": "1",
+           "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    template = str(ROOT / "jobs/slurm/array_sweep.sbatch")
+    for offset in ("abc", "1,000", "-1", "1 0"):
+        proc = subprocess.run(["bash", template, "s.toml"], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=60, env={**env, "FEDMPI_CELL_OFFSET": offset})
+        assert proc.returncode == 2 and proc.stdout == "" and proc.stderr == (
+            f"fedmpi: FEDMPI_CELL_OFFSET={offset}: must be a whole number >= 0 (task i runs "
+            f"cell offset + i)\n"), proc.stderr
+    proc = subprocess.run(["bash", template, "s.toml"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120, env={**env, "FEDMPI_CELL_OFFSET": "0100"})
+    assert "mpirun, 1 ranks, cell 101 of s.toml" in proc.stdout, proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "no cell 101; it has 2 cell(s), 0..1" in proc.stderr
+    assert not (tmp_path / "runs").exists()
 
 
 # ---- against the local cluster ----------------------------------------------------------
