@@ -4,7 +4,7 @@
 #   jobs/mpirun.sh CONFIG.toml [WORKERS] [fedmpi run options...]
 #   jobs/mpirun.sh exp.toml 4 --set seed=1 -o runs/exp-s1.h5
 #
-# WORKERS defaults to the number of cores. Each worker gets cores/WORKERS torch threads
+# WORKERS defaults to the number of cores (also when the options follow CONFIG at once). Each worker gets cores/WORKERS torch threads
 # (fedmpi picks that itself); the server mostly sleeps, so oversubscribing by that one
 # rank is fine. As root, OpenMPI needs the two OMPI_ALLOW_RUN_AS_ROOT* variables.
 #
@@ -20,8 +20,15 @@
 set -euo pipefail
 config=${1:?usage: jobs/mpirun.sh CONFIG.toml [WORKERS] [fedmpi run options...]}
 shift
-workers=${1:-$(nproc)}
-[[ $# -gt 0 ]] && shift
+workers=$(nproc)
+if [[ $# -gt 0 && $1 != -* ]]; then   # WORKERS given; an option (-o, --set) means it was not
+  if [[ ! $1 =~ ^[0-9]+$ ]] || (( 10#$1 < 1 )); then
+    echo "jobs/mpirun.sh: WORKERS=$1: must be a whole number >= 1 (worker ranks beside the server)" >&2
+    exit 2
+  fi
+  workers=$((10#$1))
+  shift
+fi
 if [[ $(id -u) -eq 0 ]]; then
   export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 fi

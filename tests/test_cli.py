@@ -250,12 +250,22 @@ def test_jobs_mpirun_launcher(tmp_path):
 
     config = write_config(tmp_path / "c.toml", rounds=1)
     env = dict(os.environ, PATH=f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}")
-    proc = subprocess.run(["bash", str(ROOT / "jobs/mpirun.sh"), str(config), "2", "-q",
-                           "-o", str(tmp_path / "j.h5")], capture_output=True, text=True,
-                          timeout=300, env=env)
+    script = str(ROOT / "jobs/mpirun.sh")
+    for workers in ("0", "two", "1.5", "+2"):
+        proc = subprocess.run(["bash", script, str(config), workers, "-o", str(tmp_path / "x.h5")],
+                              capture_output=True, text=True, timeout=60, env=env)
+        assert proc.returncode == 2 and proc.stderr == (
+            f"jobs/mpirun.sh: WORKERS={workers}: must be a whole number >= 1 (worker ranks "
+            f"beside the server)\n"), proc.stderr
+    assert not (tmp_path / "x.h5").exists()
+    # WORKERS left out, options at once: one worker per core (-o was read as WORKERS, and
+    # the script died with "o: unbound variable")
+    proc = subprocess.run(["bash", script, str(config), "-q", "-o", str(tmp_path / "j.h5")],
+                          capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr
     with RunFile(tmp_path / "j.h5") as run:
-        assert run.attrs["world_size"] == 3 and run.status == "completed"
+        assert run.attrs["world_size"] == len(os.sched_getaffinity(0)) + 1
+        assert run.status == "completed"
 
 
 @pytest.mark.slow

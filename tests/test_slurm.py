@@ -97,10 +97,12 @@ def test_templates_share_one_job_block_and_parse():
 
 
 @needs_mpi
-def test_array_template_refuses_a_cell_offset_that_is_not_a_number(tmp_path):
+def test_templates_refuse_numbers_in_the_environment_that_are_not_numbers(tmp_path):
     """Bash arithmetic read FEDMPI_CELL_OFFSET=1,000 and =abc as 0 and =01000 as octal 512:
-    the task silently ran another cell. The template runs directly here, as the batch
-    script a SLURM array task would run, under mpirun, as FEDMPI_LAUNCHER=mpirun has it."""
+    the task silently ran another cell. FEDMPI_WORKERS_PER_NODE=abc (or 0, or
+    --ntasks-per-node=1) ran the whole job on one rank; FEDMPI_CELL=x was one error per
+    rank. The templates run directly here, as the batch script SLURM would run, under
+    mpirun, as FEDMPI_LAUNCHER=mpirun has it."""
     write_config(tmp_path / "base.toml", rounds=1)
     (tmp_path / "s.toml").write_text('name = "g"\nconfig = "base.toml"\n[grid]\nseed = [0, 1]\n')
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
@@ -118,7 +120,19 @@ def test_array_template_refuses_a_cell_offset_that_is_not_a_number(tmp_path):
                           text=True, timeout=120, env={**env, "FEDMPI_CELL_OFFSET": "0100"})
     assert "mpirun, 1 ranks, cell 101 of s.toml" in proc.stdout, proc.stdout + proc.stderr
     assert proc.returncode == 2 and "no cell 101; it has 2 cell(s), 0..1" in proc.stderr
-    assert not (tmp_path / "runs").exists()
+    for template, variables, says in (
+            ("single_node", {"FEDMPI_CELL": "x"}, "FEDMPI_CELL=x: must be a whole number >= 0 (the sweep's cell)"),
+            ("multi_node", {"FEDMPI_WORKERS_PER_NODE": "abc"},
+             "FEDMPI_WORKERS_PER_NODE=abc: must be a whole number >= 1 (workers per node)"),
+            ("multi_node", {"FEDMPI_WORKERS_PER_NODE": "0"}, "FEDMPI_WORKERS_PER_NODE=0: must be"),
+            ("multi_node", {"SLURM_NTASKS_PER_NODE": "1"},
+             "--ntasks-per-node=1 leaves no worker beside the server; give G + 1 for G workers per node")):
+        proc = subprocess.run(["bash", str(ROOT / f"jobs/slurm/{template}.sbatch"), "base.toml"],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                              env={**env, **variables})
+        assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
+        assert proc.stderr.startswith(f"fedmpi: {says}") and proc.stderr.count("\n") == 1, proc.stderr
+    assert not (tmp_path / "runs").exists() and not list(tmp_path.glob("*.h5"))
 
 
 # ---- against the local cluster ----------------------------------------------------------
