@@ -173,12 +173,12 @@ def parse_rounds(values) -> list[int]:
         if not text.strip().isdigit() or int(text) < 1:
             raise UsageError(f"--at {text!r}: expected a round number >= 1")
         out.append(int(text))
-    return out
+    return list(dict.fromkeys(out))   # --at 50 --at 50: one column (a CSV's names stay unique)
 
 
 def parse_targets(values) -> list[float]:
     """0.8 or 80%: accuracies are fractions in the files, percent in the papers."""
-    return [parse_accuracy("--target", text) for text in values]
+    return list(dict.fromkeys(parse_accuracy("--target", text) for text in values))
 
 
 def parse_accuracy(option: str, text: str) -> float:
@@ -202,7 +202,7 @@ def parse_smooth(text) -> float | None:
 
 
 def parse_columns(values) -> list[str]:
-    return [c.strip() for text in values for c in text.split(",") if c.strip()]
+    return list(dict.fromkeys(c.strip() for text in values for c in text.split(",") if c.strip()))
 
 
 @click.group()
