@@ -14,7 +14,7 @@ import pytest
 from fedmpi import config as cfgmod
 from fedmpi.comm import LocalComm
 from fedmpi.errors import UsageError
-from fedmpi.results import RunFile
+from fedmpi.results import RunFile, repair
 from fedmpi.results.checkpoint import truncate
 from fedmpi.results.lock import holder as lock_holder
 from fedmpi.results.writer import append_eval
@@ -172,6 +172,43 @@ def test_evaluate_refuses_supervised_runs_and_other_fields(tmp_path):
     assert len(proc.stderr.strip().splitlines()) == 1
     proc = fedmpi(["evaluate", str(out), "--set", "train.lr=1"])
     assert proc.returncode == 2 and "eval.<field>" in proc.stderr
+
+
+@pytest.mark.slow
+def test_evaluate_after_an_evaluate_killed_while_it_wrote(single, tmp_path, capfd):
+    """An evaluate killed while it appended its row left the finished run's file open for
+    writing: the next evaluate ran its probe, then failed on HDF5's "file is already open
+    for write" with a traceback. It now repairs the file first, as a resume does, also
+    through a symbolic link, and the one-file report names the probes."""
+    copy, link = tmp_path / "copy.h5", tmp_path / "latest.h5"
+    copy.write_bytes(single.read_bytes())
+    link.symlink_to(copy.name)
+    # the evaluate killed with the file open; it also stands in for the run that wrote the
+    # file, a process gone by now (the fixture's run was this one, which lives on)
+    kill = ("import json, os, signal, sys\n"
+            "from fedmpi.results import liveness\n"
+            "from fedmpi.results.writer import _reopen, append_eval\n"
+            "f = _reopen(sys.argv[1])\n"
+            "f.attrs['writer'] = json.dumps(liveness.identity())\n"
+            "f.flush()\n"
+            "append_eval(f, {'round': 3, 'linear_acc': 0.5}, None)\n"
+            "os.kill(os.getpid(), signal.SIGKILL)\n")
+    assert subprocess.run([sys.executable, "-c", kill, str(copy)]).returncode == -9
+    assert repair.inspect(copy).open_for_write   # the superblock's flags stayed set
+    capfd.readouterr()
+    row = evaluate_file(link, ["linear"], ["eval.linear_epochs=20"], quiet=True)
+    assert capfd.readouterr().err == (f"fedmpi: {copy} was left open by a writer that died; "
+                                      f"continuing from a clean copy (3 rounds)\n")
+    assert link.is_symlink()
+    with RunFile(copy) as run:
+        evals = run.evals()
+    assert evals["round"].tolist() == [2, 3, 3] and evals["linear_acc"][-1] == row["linear_acc"]
+    from fedmpi.analysis.report import summarize
+    assert summarize(copy).splitlines()[-1] == (
+        f"probes       linear {100 * row['linear_acc']:.2f}% (round 3), fine-tune 5% "
+        f"{100 * evals['finetune_5pct_acc'][1]:.2f}% (round 3), fine-tune 25% "
+        f"{100 * evals['finetune_25pct_acc'][1]:.2f}% (round 3), effective rank "
+        f"{evals['effective_rank'][1]:.2f} (round 3)")
 
 
 def test_report_shows_the_probes_and_plot_draws_the_spectrum(single, tmp_path):

@@ -34,7 +34,7 @@ _SPLIT = ("compute", "comm", "aggregate", "eval")
 def summarize(path) -> str:
     """File, status, experiment, progress, accuracy, traffic and timing, one fact per line."""
     with open_run(path) as run:
-        attrs, config, rounds = run.attrs, run.config, run.rounds()
+        attrs, config, rounds, evals = run.attrs, run.config, run.rounds(), run.evals()
     lines = [("file", str(path)), ("status", _status(attrs))]
     lines += _experiment(config)
     lines += _parameters(config, attrs)
@@ -43,6 +43,7 @@ def summarize(path) -> str:
     lines += _traffic(rounds)
     lines += _timing(rounds)
     lines += _virtual(rounds)
+    lines += _probes(evals)
     return "\n".join(f"{label:<{_WIDTH}}{text}" for label, text in lines)
 
 
@@ -239,6 +240,25 @@ def _probe_order(name: str) -> tuple:
     if name.startswith("finetune_"):
         return (1, float(name[len("finetune_"):-len("pct_acc")]))
     return (0 if name == "linear_acc" else 2, 0.0)
+
+
+def _probes(evals: dict) -> list[tuple[str, str]]:
+    """The last measurement of each probe of the encoder (/eval) and the round it probed,
+    e.g. ``linear 22.00% (round 3), effective rank 11.42 (round 3)``."""
+    parts = []
+    for name in sorted(filter(_is_probe, evals), key=_probe_order):
+        values = np.asarray(evals[name], dtype=float)
+        measured = np.flatnonzero(np.isfinite(values))
+        if not measured.size:
+            continue
+        value, when = values[measured[-1]], int(evals["round"][measured[-1]])
+        if name == "effective_rank":
+            parts.append(f"effective rank {value:.2f} (round {when})")
+        else:
+            label = "linear" if name == "linear_acc" else \
+                f"fine-tune {name[len('finetune_'):-len('pct_acc')]}%"
+            parts.append(f"{label} {100 * value:.2f}% (round {when})")
+    return [("probes", ", ".join(parts))] if parts else []
 
 
 def _compressed(run) -> bool:

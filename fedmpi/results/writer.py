@@ -333,8 +333,9 @@ def recover_crashed(path) -> str | None:
         os.replace(temporary, path)
     finally:
         temporary.unlink(missing_ok=True)
+    checkpoint = "" if found.checkpoint is None else f", checkpoint after round {found.checkpoint}"
     return (f"{path} was left open by a writer that died; continuing from a clean copy "
-            f"({found.rounds} rounds, checkpoint after round {found.checkpoint})")
+            f"({found.rounds} rounds{checkpoint})")
 
 
 def damaged(path) -> str | None:

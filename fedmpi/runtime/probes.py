@@ -67,7 +67,7 @@ def evaluate_file(path, probe_names=(), overrides=(), quiet: bool = False) -> di
     run's eval.probes, else linear + spectrum; ``overrides`` are eval.<field>=<value>."""
     from ..config import parse_override
     from ..errors import UsageError
-    from ..results.lock import RunLock
+    from .runfile import take_over
 
     for text in overrides:
         if parse_override(text)[0][0] != "eval":
@@ -75,8 +75,9 @@ def evaluate_file(path, probe_names=(), overrides=(), quiet: bool = False) -> di
     if not Path(path).is_file():   # before the lock, which would make its directory
         raise UsageError(f"results file {path} does not exist")
     # the file's writer for as long as this takes: a `fedmpi run --force` onto it meanwhile
-    # would replace it, and this run's probe row would go into the new run's file
-    lock = RunLock.acquire(path)
+    # would replace it, and this run's probe row would go into the new run's file. An
+    # evaluate killed while it wrote its row left the file open: repaired before the probe.
+    path, lock = take_over(path)
     try:
         return _evaluate_locked(path, probe_names, overrides, quiet)
     finally:
@@ -101,6 +102,9 @@ def _evaluate_locked(path, probe_names, overrides, quiet: bool) -> dict:
     values = apply_overrides(values, list(overrides))
     values.setdefault("eval", {})["probes"] = list(
         probe_names or values["eval"].get("probes") or DEFAULT_POSTHOC)
+    # the clients' local models are not in the file: their spectra were taken during the
+    # run, and the run's setting must not refuse `--probe linear` (it needs "spectrum")
+    values["eval"]["local_spectra"] = False
     config = from_dict(values)
     alg = algorithms.build(config.algorithm.name, config.algorithm.params)
     if alg.supervised:

@@ -57,16 +57,30 @@ def create_file(exp, dataset, ranks) -> bool:
     return False
 
 
+def take_over(path) -> tuple[Path, RunLock]:
+    """An existing results file, ready to be written again (by a resume, or by `fedmpi
+    evaluate`): its lock taken, and, if a writer died with it open, a clean copy in its
+    place (said on stderr). A symbolic link is followed, so the lock and the repair are
+    the file's (a repaired copy would replace the link, and the file stay broken).
+    Returns the file's own path and its lock."""
+    path = Path(path)
+    if path.is_symlink():
+        path = path.resolve()
+    lock = RunLock.acquire(path)
+    try:
+        recovered = recover_crashed(path)
+    except BaseException:
+        lock.release()
+        raise
+    if recovered:
+        print(f"fedmpi: {recovered}", file=sys.stderr, flush=True)
+    return path, lock
+
+
 def resume_file(exp, dataset, ranks) -> bool:
     """Continue the file's run: state from its checkpoint (or round 0 without one).
     Returns whether the file has the initial model's row (round 0)."""
-    path = exp.config.output_path()
-    if path.is_symlink():   # continue the file the link names: its lock, its repair (a
-        path = path.resolve()   # repaired copy would replace the link, the file stay broken)
-    exp.lock = RunLock.acquire(path)
-    recovered = recover_crashed(path)
-    if recovered:
-        print(f"fedmpi: {recovered}", file=sys.stderr, flush=True)
+    path, exp.lock = take_over(exp.config.output_path())
     with RunFile(path) as run:
         stored = run.partition()
         try:
