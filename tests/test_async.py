@@ -52,6 +52,27 @@ def test_schedule_never_holds_a_client_twice_and_keeps_c_busy():
         assert all(a.end <= s.now for a in step)
 
 
+def test_clients_without_samples_never_start(tmp_path):
+    """partition.min_size = 0: a client with no training samples has nothing to send, and
+    its arrival made FedBuff's step 0/0 (a ZeroDivisionError traceback) and FedAsync's a
+    false "training diverged". Such clients are never drawn to start; more clients in
+    flight than hold samples is one line."""
+    s = AsyncSchedule(seed=0, durations=np.ones(6), concurrency=2, buffer=1,
+                      able=np.array([False, True, False, True, True, False]))
+    assert {a.client for _ in range(30) for a in s.step()} == {1, 3, 4}
+    over = dict(data={"num_train": 40}, partition={"min_size": 0}, rounds=4,
+                clients={"num": 40, "per_round": 3})
+    for policy in ("fedbuff", "fedasync"):
+        exp, file = run(tmp_path, policy, **over, system_model={**CLOCK, "policy": policy})
+        with file as r:
+            assert r.status == "completed"
+            sizes, clients = r.partition()["client_sizes"], r.clients()["client"]
+        assert (sizes == 0).sum() >= 15 and len(clients) and sizes[clients].min() > 0
+    with pytest.raises(UsageError, match=r"^config field system_model.concurrency: 30 clients in "
+                       r"flight, but only \d+ of the 40 clients hold training samples"):
+        run(tmp_path, "c", **over, system_model={**CLOCK, "policy": "fedbuff", "concurrency": 30})
+
+
 def test_staleness_weights():
     assert staleness_weight("constant", 7, 0.5) == 1.0
     assert staleness_weight("polynomial", 0, 0.5) == 1.0

@@ -205,6 +205,25 @@ def test_skipped_rounds_leave_model_and_server_state_unchanged(tmp_path):
         assert rounds["fl_bytes_up"][1:].tolist() == (4 * ((d + 2) * k + d * refine)).tolist()
 
 
+def test_a_draw_of_clients_without_samples_trains_nobody(tmp_path):
+    """partition.min_size = 0 leaves clients empty; a round that drew only such clients
+    ended FedAvg (a mean weighted by n_i: 0/0) with a ZeroDivisionError traceback, FedAdam
+    with a false "training diverged". The round now trains nobody, as a skipped empty
+    draw; rounds that drew anyone with samples are as before."""
+    values = merged(TINY, seed=4, rounds=4, data={"num_train": 40}, partition={"min_size": 0},
+                    clients={"num": 40, "per_round": 2}, output=str(tmp_path / "e.h5"))
+    c = cfg.from_dict(values)
+    run_experiment(c, LocalComm(), quiet=True)
+    with RunFile(c.output_path()) as run:
+        sizes, rounds = run.partition()["client_sizes"], run.rounds()
+        assert run.status == "completed"
+    drawn = [sizes[sample_clients(c.seed, t, 40, 2)] for t in range(4)]
+    assert [s.tolist() for s in drawn] == [[1, 2], [0, 0], [0, 2], [1, 0]]
+    assert rounds["n_participants"].tolist() == [0, 2, 0, 2, 2]
+    assert rounds["fl_bytes_down"][2] == rounds["fl_bytes_up"][2] == 0
+    assert rounds["update_norm"][2] == 0 and rounds["test_acc"][2] == rounds["test_acc"][1]
+
+
 def _initial(c):
     """x^0 as the runtime builds it (seeded model init)."""
     import torch

@@ -81,10 +81,14 @@ class AsyncSchedule:
     queue. ``durations[c]``: client c's seconds per participation (fixed by its profile
     and its data)."""
 
-    def __init__(self, seed: int, durations: np.ndarray, concurrency: int, buffer: int):
+    def __init__(self, seed: int, durations: np.ndarray, concurrency: int, buffer: int,
+                 able: np.ndarray | None = None):
         self.seed, self.durations = seed, np.asarray(durations, dtype=np.float64)
         self.concurrency, self.buffer = concurrency, buffer
         self.busy = np.zeros(len(durations), dtype=bool)   # in flight or in the buffer
+        # who can train at all: a client without training samples (partition.min_size =
+        # 0) has no update to send, and its weight n_i = 0 would make a step's mean 0/0
+        self.able = np.ones(len(durations), dtype=bool) if able is None else np.asarray(able)
         self.flight: list[tuple[float, int, int, int, float]] = []   # (end, c, v, key, start)
         self.version = 0    # server steps applied
         self.starts = 0     # start instants so far (the sampling key)
@@ -92,7 +96,7 @@ class AsyncSchedule:
         self.pending = 0    # freed slots no idle client could take yet
 
     def _start(self, t: float) -> None:
-        idle = np.flatnonzero(~self.busy)
+        idle = np.flatnonzero(~self.busy & self.able)
         m = min(self.pending, len(idle))
         if not m:
             return
@@ -136,6 +140,12 @@ class AsyncServer:
             m.policy, m.staleness, m.staleness_exponent, m.mixing
         self.seed, self.clock, self.concurrency = config.seed, clock, concurrency(config)
         self.buffer = 1 if m.policy == "fedasync" else m.buffer or self.concurrency
+        able = int(np.count_nonzero(clock.steps))
+        if self.concurrency > able:
+            from ..errors import UsageError
+            raise UsageError(f"config field system_model.concurrency: {self.concurrency} clients "
+                             f"in flight, but only {able} of the {len(clock.steps)} clients hold "
+                             f"training samples (partition.min_size = 0 leaves the others empty)")
         self.schedule: AsyncSchedule | None = None   # built by ``replay``
         self.models: dict[int, torch.Tensor] = {}   # version -> x, for the clients in flight
         self.arrivals: list[Arrival] = []
@@ -145,7 +155,7 @@ class AsyncServer:
         the schedule is a pure function of the seed and the clock's times, which a resume
         may have set from the file)."""
         self.schedule = AsyncSchedule(self.seed, self.clock.durations(), self.concurrency,
-                                      self.buffer)
+                                      self.buffer, able=self.clock.steps > 0)
         for _ in range(steps):
             self.schedule.step()
 

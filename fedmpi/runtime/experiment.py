@@ -287,6 +287,11 @@ class Experiment:
                                      empty=c.empty_rounds)
             n_available = len(pool)
         sampled = self.split.sample(slots, t)
+        if not self.sizes[sampled].any():
+            # every client drawn holds no training sample (partition.min_size = 0): none can
+            # train, and a mean weighted by their sample counts is 0/0. The round trains
+            # nobody, as an empty draw that is skipped (clients.empty_rounds = "skip").
+            sampled = sampled[:0]
         if self.clock is None:
             return sampled
         # who finishes in time (and does not drop out): only they train
