@@ -11,9 +11,13 @@ rules; fewer clients, samples and local steps; presets that come out equal once 
 run once), and its results file is reduced to a SHA-256 of the
 round metrics (every /rounds column but the timings and the MPI byte count, which
 measure the machine and the transport, not the method), of the per-client rows, and of
-the final model. Bitwise equality holds on the same kind of machine (CPU build, torch
-version), which is where CI stores and checks them; `tests/test_preset_fingerprints.py`
-does the comparison.
+the final model. `tests/test_preset_fingerprints.py` does the comparison.
+
+Bitwise equality needs the same kernels, and MKL, oneDNN and PyTorch's own vectorised
+kernels each pick theirs by the CPU's instruction set: on AVX-512 and on AVX2 machines
+the same run differs in its last bits. The worker processes therefore run with all three
+pinned to their AVX2 code paths (``PINNED``), which any x86-64 CPU of the last decade
+has, so one stored set holds across CI machines (same torch version and CPU build).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -34,6 +39,8 @@ from fedmpi.comm import LocalComm
 from fedmpi.results import RunFile
 from fedmpi.runtime import run_experiment
 
+# MKL's conditional numerical reproducibility branch, ATen's dispatch, oneDNN's JIT
+PINNED = {"MKL_CBWR": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 MACHINE_COLUMNS = ("time_", "mpi_bytes")    # measure the machine and transport, not the method
 CLIENT_MACHINE_COLUMNS = ("seconds", "rank")
 
@@ -112,15 +119,26 @@ def _digest(columns: dict) -> str:
 
 
 def all_fingerprints(processes: int = 2) -> dict[str, dict[str, str]]:
-    """Every case, in ``processes`` fresh processes at once (each run uses one thread)."""
+    """Every case, in ``processes`` fresh processes at once (each run uses one thread),
+    whose kernels are pinned (``PINNED``): every process starts, on demand, within this
+    call, with PINNED in its environment before MKL, oneDNN or ATen choose."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    with tempfile.TemporaryDirectory() as tmp, ProcessPoolExecutor(
-            processes, mp_context=multiprocessing.get_context("spawn")) as pool:
-        jobs = {case: pool.submit(fingerprint, case, preset, overrides, Path(tmp))
-                for case, (preset, overrides) in cases().items()}
-        return {case: job.result() for case, job in jobs.items()}
+    saved = {name: os.environ.get(name) for name in PINNED}
+    os.environ.update(PINNED)
+    try:
+        with tempfile.TemporaryDirectory() as tmp, ProcessPoolExecutor(
+                processes, mp_context=multiprocessing.get_context("spawn")) as pool:
+            jobs = {case: pool.submit(fingerprint, case, preset, overrides, Path(tmp))
+                    for case, (preset, overrides) in cases().items()}
+            return {case: job.result() for case, job in jobs.items()}
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def main(argv=None) -> int:
