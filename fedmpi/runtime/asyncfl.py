@@ -42,6 +42,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ..errors import UsageError
 from .plan import sample_clients
 
 MODES = ("fedasync", "fedbuff")
@@ -142,7 +143,6 @@ class AsyncServer:
         self.buffer = 1 if m.policy == "fedasync" else m.buffer or self.concurrency
         able = int(np.count_nonzero(clock.steps))
         if self.concurrency > able:
-            from ..errors import UsageError
             raise UsageError(f"config field system_model.concurrency: {self.concurrency} clients "
                              f"in flight, but only {able} of the {len(clock.steps)} clients hold "
                              f"training samples (partition.min_size = 0 leaves the others empty)")
