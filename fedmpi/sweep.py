@@ -156,7 +156,7 @@ def load(path, *, outdir: str | None = None, overrides=()) -> Sweep:
     name = _string(path, values, "name", path.stem)
     if outdir is not None:
         values = dict(values, outdir=outdir)
-    directory = Path(_string(path, values, "outdir", "runs")) / name
+    directory = Path(_string(path, values, "outdir", "runs")).expanduser() / name
     extra = list(overrides)
     _check_keys(path, fixed, grid, extra)
     cells = tuple(_cells(path, fixed, grid, extra, directory))

@@ -8,6 +8,7 @@ file is touched. docs/hostile-inputs.md lists every case with the test that prov
 
 import os
 
+import numpy as np
 import pytest
 
 from fedmpi import config as cfg
@@ -373,6 +374,36 @@ def test_state_dir_that_is_a_file(tmp_path):
     existing.write_text("x")
     message = refused([f"system.state_dir={existing}"])
     assert f"config field system.state_dir: {existing} exists and is not a directory" in message
+
+
+def test_a_tilde_in_output_outdir_and_state_dir_is_the_home_folder(tmp_path, monkeypatch):
+    """A TOML file has no shell to expand ``~``, and data paths expanded it while output
+    did not: ``output = "~/runs/{name}.h5"`` made a folder named "~" in the working
+    directory (one `rm -rf ~` away from the real home). Now all of them expand it."""
+    from fedmpi import sweep as sweeps
+    from fedmpi.comm import LocalComm
+    from fedmpi.runtime import run_experiment
+    from fedmpi.runtime.state import ClientStateStore
+
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    config = cfg.from_dict({**TINY, "rounds": 1, "output": "~/runs/{name}.h5",
+                            "system": {"state_dir": "~/spill"}})
+    assert config.output_path() == home / "runs" / "tiny.h5"
+    run_experiment(config, LocalComm(), quiet=True)
+    assert (home / "runs" / "tiny.h5").is_file() and list(work.iterdir()) == []
+    store = ClientStateStore({"c": 4}, memory_bytes=0, directory=config.system.state_dir)
+    store.put(0, {"c": np.ones(4, dtype=np.float32)})
+    assert (home / "spill").is_dir() and list(work.iterdir()) == []
+    store.close()
+    (work / "s.toml").write_text('preset = "default"\noutdir = "~/sweeps"\n[grid]\nseed = [1]\n')
+    assert sweeps.load(work / "s.toml").cell(0).output == home / "sweeps" / "s" / "seed=1.h5"
+    with pytest.raises(UsageError, match="system.state_dir: .* exists and is not a directory"):
+        (home / "file").write_text("x")
+        cfg.from_dict({**TINY, "system": {"state_dir": "~/file"}})
 
 
 def test_plugin_that_registers_nothing_is_fine_one_that_breaks_is_one_line(tmp_path, monkeypatch):

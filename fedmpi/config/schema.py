@@ -228,7 +228,9 @@ class ExperimentConfig:
     compression: CompressionConfig = field(default_factory=CompressionConfig)
 
     def output_path(self) -> Path:
-        return Path(self.output.format(**self.placeholders()))
+        """``output`` with its placeholders filled in and a leading ``~`` expanded (a TOML
+        file has no shell to do it; data paths expand it too)."""
+        return Path(self.output.format(**self.placeholders())).expanduser()
 
     def placeholders(self) -> dict:
         """What ``output`` may name: {name} {algorithm} {dataset} {seed}."""

@@ -403,7 +403,7 @@ def _validate_paths(c: ExperimentConfig) -> None:
         raise field_error("output", "must not be empty; give a results file path, e.g. "
                                     "runs/{name}-{algorithm}-seed{seed}.h5")
     try:
-        path = c.output.format(**c.placeholders())
+        path = os.path.expanduser(c.output.format(**c.placeholders()))
     except (KeyError, IndexError, ValueError, AttributeError, TypeError) as exc:
         raise field_error("output", f"bad placeholder {exc}; allowed: {{name}} {{algorithm}} "
                                     f"{{dataset}} {{seed}}") from None
@@ -428,7 +428,7 @@ def _validate_paths(c: ExperimentConfig) -> None:
         raise field_error("output", f"{path[:40]}... is {whole} bytes as an absolute path; with "
                                     f"the hidden files fedmpi keeps beside it the kernel takes at "
                                     f"most {PATH_MAX - 1 - room} (shorten output)")
-    state_dir = c.system.state_dir
+    state_dir = c.system.state_dir and os.path.expanduser(c.system.state_dir)
     if state_dir and Path(state_dir).exists() and not Path(state_dir).is_dir():
         raise field_error("system.state_dir", f"{state_dir} exists and is not a directory")
 

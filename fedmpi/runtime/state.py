@@ -42,13 +42,14 @@ class ClientStateStore:
     def __init__(self, sizes: dict[str, int], dtype=np.float32, memory_bytes: int | None = None,
                  directory: str | Path | None = None):
         self.sizes, self.dtype = dict(sizes), np.dtype(dtype)
-        self.memory_bytes, self.directory = memory_bytes, directory
+        self.memory_bytes = memory_bytes
+        self.directory = None if directory is None else Path(directory).expanduser()
         self._memory: OrderedDict[int, State] = OrderedDict()   # least recently used first
         self._on_disk: set[int] = set()
         self._spill_dir: Path | None = None
         self._cleanup = None
         if directory is not None and memory_bytes is not None and self.state_bytes:
-            _check_writable(Path(directory))
+            _check_writable(self.directory)
 
     @property
     def state_bytes(self) -> int:
@@ -146,7 +147,7 @@ class ClientStateStore:
     def _path(self, client: int) -> Path:
         if self._spill_dir is None:
             # Created on first spill: runs that stay within the budget touch no disk.
-            parent = None if self.directory is None else Path(self.directory)
+            parent = self.directory
             if parent is not None:
                 parent.mkdir(parents=True, exist_ok=True)
             prefix = f"fedmpi-state-{socket.gethostname()}.{os.getpid()}-"
