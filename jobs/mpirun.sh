@@ -6,7 +6,8 @@
 #
 # WORKERS defaults to the number of cores, also when the options follow CONFIG at once.
 # Each worker gets cores/WORKERS torch threads (fedmpi picks that itself); the server
-# mostly sleeps, so oversubscribing by that one rank is fine. As root, OpenMPI needs the two OMPI_ALLOW_RUN_AS_ROOT* variables.
+# mostly sleeps, so oversubscribing by that one rank is fine. As root, OpenMPI needs the
+# two OMPI_ALLOW_RUN_AS_ROOT* variables.
 #
 # Stopping: `kill <this script>` (TERM), Ctrl-C (INT) or a closed terminal (HUP) become
 # USR1 for mpirun, which passes USR1 to every rank: the run finishes its round,
