@@ -323,6 +323,11 @@ def test_watch_timeout_on_the_command_line(tmp_path):
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and says in proc.stderr, proc.stderr
     proc = run_cli(["watch", path, "--interval", "inf"], timeout=FAST)
     assert proc.returncode == 2 and "--interval inf: seconds must be a finite number > 0" in proc.stderr
+    # a poll reads the file: --interval 1e-9 spun a core that the run it watched needed
+    for value in ("1e-9", "0.09"):
+        proc = run_cli(["watch", path, "--interval", value], timeout=FAST)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert f"--interval {value}: give at least 0.1 s" in proc.stderr
 
 
 def _follow(path, **options) -> tuple[int, list[str], float]:
