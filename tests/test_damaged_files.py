@@ -188,6 +188,36 @@ def test_a_writer_killed_outside_swmr_leaves_a_file_that_is_still_read(completed
         f"says running; continue with: fedmpi run --resume {path}")
 
 
+def test_a_file_a_notebook_holds_open_for_writing_is_refused_and_left_alone(completed, tmp_path):
+    """h5py.File(F, "a") in another process sets the flags a dead writer leaves, and the
+    run's recorded writer is gone: evaluate and resume took that for a crash and put a
+    "clean copy" in the file's place, under the live holder. Readers showed HDF5's lock
+    error."""
+    path = tmp_path / "held.h5"
+    path.write_bytes(completed.read_bytes())
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, h5py\n"
+                               "f = h5py.File(sys.argv[1], 'a'); print('open', flush=True)\n"
+                               "sys.stdin.read(); f.close()", str(path)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "open\n"
+        assert repair.inspect(path).open_for_write and liveness.held_for_writing(path)
+        inode = path.stat().st_ino
+        for command in (["report", path], ["watch", "--once", path], ["evaluate", path],
+                        ["run", "--resume", path]):
+            proc = subprocess.run([sys.executable, "-m", "fedmpi", *map(str, command)],
+                                  capture_output=True, text=True, timeout=FAST)
+            assert proc.returncode == 2 and proc.stderr == (
+                f"fedmpi: results file {path} is held open for writing by another process "
+                f"(an h5py.File(..., 'a') in a notebook?); close it there and run again\n"), command
+            assert path.stat().st_ino == inode   # not replaced under its holder
+    finally:
+        holder.communicate("", timeout=FAST)
+    assert not liveness.held_for_writing(path)
+    report = run_cli(["report", path], timeout=FAST)
+    assert report.returncode == 0 and "completed" in report.stdout, report.stderr
+
+
 @pytest.mark.slow
 def test_report_and_plot_skip_damaged_files_in_a_directory(completed, tmp_path):
     runs = tmp_path / "runs"

@@ -8,6 +8,7 @@ from another host the answer is "unknown" and callers fall back to the file's pr
 
 from __future__ import annotations
 
+import fcntl
 import glob
 import os
 import re
@@ -56,6 +57,34 @@ def state(writer) -> str:
     if recorded and now and recorded != now:
         return GONE  # the pid was reused by another process
     return ALIVE
+
+
+def held_for_writing(path) -> bool:
+    """Whether a live process has the file open for writing outside SWMR (an
+    ``h5py.File(path, "a")`` in a notebook): HDF5 holds an exclusive flock on it for as
+    long as that file is open, and the kernel drops the lock with the process, so a lock
+    that is held has a live holder whatever the file's ``writer`` attribute says. False
+    where the file system has no flock."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
+
+
+def held_message(path) -> str:
+    return (f"results file {path} is held open for writing by another process "
+            f"(an h5py.File(..., 'a') in a notebook?); close it there and run again")
 
 
 def describe(writer) -> str:

@@ -229,6 +229,8 @@ def _open(path: Path) -> tuple[h5py.File, repair.ReadView | None]:
     try:
         return h5py.File(path, "r"), None
     except OSError as exc:
+        if "unable to lock file" in str(exc):   # HDF5's lock: a writer outside SWMR has it
+            raise UsageError(liveness.held_message(path)) from exc
         if "already open for write" not in str(exc):
             raise UsageError(f"results file {path} cannot be opened ({_reason(exc)})") from exc
     # the flags a writer sets while it has the file open, left behind because it died:
