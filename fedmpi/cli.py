@@ -11,15 +11,54 @@ import sys
 
 import click
 
-from .errors import UsageError, one_line_errors
+from .errors import UsageError, one_line_errors, say
 from .signals import launcher_rank as _launcher_rank   # light: no torch
 
 EXIT_FAILED, EXIT_INTERRUPTED = 1, 130   # 130: killed by SIGINT, by convention
 
 
+class _CommandLineError(click.UsageError):
+    """click's own command-line errors (an unknown option or command, a missing argument)
+    said as fedmpi says all bad input: one line, from rank 0 only. click printed four
+    lines of usage and hint, once per rank under mpirun."""
+
+    def __init__(self, error: click.UsageError, root: str, path: str):
+        super().__init__(error.format_message(), error.ctx)
+        self.root, self.path = root, error.ctx.command_path if error.ctx is not None else path
+
+    def show(self, file=None) -> None:
+        command = self.path[len(self.root):].strip()   # `run` of `python -m fedmpi run`
+        message = self.format_message().rstrip(".")
+        say(f"{command + ': ' if command else ''}{message[:1].lower()}{message[1:]} "
+            f"(see {self.path} --help)")
+
+
 class _Commands(click.Group):
     """``fedmpi --help`` lists each command with its whole first sentence (click cuts it
-    at the terminal's width with "...")."""
+    at the terminal's width with "..."); command-line errors are one line."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except click.exceptions.NoArgsIsHelpError:   # `fedmpi` alone: the help, as before
+            raise
+        except click.UsageError as error:
+            root = info_name or "fedmpi"
+            raise _CommandLineError(error, root, root) from None
+
+    def resolve_command(self, ctx, args):
+        name, command, rest = super().resolve_command(ctx, args)
+        ctx.meta["fedmpi.command"] = name   # for errors click raises without a context
+        return name, command, rest
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except click.UsageError as error:
+            name = ctx.meta.get("fedmpi.command")
+            root = ctx.find_root().command_path
+            raise _CommandLineError(error, root, f"{ctx.command_path} {name}" if name else
+                                    ctx.command_path) from None
 
     def format_commands(self, ctx, formatter):
         rows = [(name, command.get_short_help_str(limit=1000))

@@ -114,7 +114,7 @@ def one_line_errors(command):
         try:
             return command(*args, **kwargs)
         except UsageError as exc:
-            _say(str(exc))
+            say(str(exc))
             sys.exit(EXIT_USAGE)
         except (OSError, RuntimeError, MemoryError, ImportError) as exc:
             full = storage_full(exc)
@@ -122,9 +122,9 @@ def one_line_errors(command):
                 oom = out_of_memory(exc)
                 if oom is None:
                     raise
-                _say(out_of_memory_message(oom))
+                say(out_of_memory_message(oom))
                 sys.exit(EXIT_FAILED)
-            _say(storage_full_message(full, run=command.__name__ in _RUNS))
+            say(storage_full_message(full, run=command.__name__ in _RUNS))
             # at once: the interpreter's clean-up would free HDF5 objects of a file that
             # cannot be written, and their failing flushes print tracebacks (or crash)
             for stream in (sys.stdout, sys.stderr):
@@ -149,7 +149,8 @@ def _excepthook(kind, value, traceback) -> None:
         sys.__excepthook__(kind, value, traceback)
 
 
-def _say(message: str) -> None:
+def say(message: str) -> None:
+    """'fedmpi: <message>' on stderr, from rank 0 only."""
     if launcher_rank() == 0:
         import click
 

@@ -195,6 +195,32 @@ def test_bad_input_under_mpirun_exits_2_before_mpi_work(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.count("fedmpi: config field rounds") == 1
     assert not (tmp_path / "x.h5").exists()
+    # click's own errors too: they were four lines of usage from every rank
+    proc = mpirun(3, [sys.executable, "-m", "fedmpi", "run", "--nope"], check=False, timeout=120)
+    assert proc.returncode == 2
+    said = [line for line in proc.stderr.splitlines() if "nope" in line]
+    assert len(said) == 1 and said[0].startswith("fedmpi: run: no such option '--nope'"), said
+
+
+@pytest.mark.parametrize("args, says", [
+    (["run", "--nope"], "run: no such option '--nope'"),
+    (["run", "--quite"], "run: no such option '--quite'. Did you mean '--quiet'? "
+                         "(see python -m fedmpi run --help)"),
+    (["run", "--set"], "run: option '--set' requires an argument (see python -m fedmpi run --help)"),
+    (["run", "a.toml", "b.toml"], "run: got unexpected extra argument (b.toml) "
+                                  "(see python -m fedmpi run --help)"),
+    (["report"], "report: missing argument 'FILES_OR_DIRS...' (see python -m fedmpi report --help)"),
+    (["watch", "--interval"], "watch: option '--interval' requires an argument "
+                              "(see python -m fedmpi watch --help)"),
+    (["sweep", "s.toml", "--cell"], "sweep: option '--cell' requires an argument "
+                                    "(see python -m fedmpi sweep --help)"),
+    (["runn"], "no such command 'runn'. Did you mean 'run'? (see python -m fedmpi --help)"),
+    (["--nope"], "no such option '--nope' (see python -m fedmpi --help)"),
+])
+def test_command_line_errors_are_one_line(args, says):
+    """An unknown option or command, a missing argument: click printed four lines (usage,
+    hint, a blank, the error), once per rank under mpirun."""
+    assert_usage_error(fedmpi(args, timeout=60), says)
 
 
 @pytest.mark.slow
