@@ -159,7 +159,10 @@ def test_watch_once_shows_the_state_and_exits_with_the_status_code(tmp_path, sta
 def test_watch_bad_input_exits_2(tmp_path):
     (tmp_path / "x.h5").write_text("x")
     for args, says in (([tmp_path / "none.h5"], "does not exist"), ([tmp_path / "x.h5"], "not an HDF5 file"),
-                       ([tmp_path / "x.h5", "--interval", "0"], "--interval 0")):
+                       ([tmp_path / "x.h5", "--interval", "0"], "--interval 0"),
+                       # both were "does not exist"
+                       ([tmp_path], f"results file {tmp_path} is a directory; give one run's results file"),
+                       (["/dev/null"], "results file /dev/null is not a regular file (a device, a pipe")):
         proc = run_cli(["watch", *args])
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and says in proc.stderr
 

@@ -127,6 +127,8 @@ def test_evaluate_holds_the_file_against_a_forced_run(single, tmp_path):
     with pytest.raises(UsageError, match="does not exist"):   # and no directory made for a lock
         evaluate_file(tmp_path / "no" / "such.h5")
     assert not (tmp_path / "no").exists()
+    with pytest.raises(UsageError, match="is a directory; give one run's results file"):
+        evaluate_file(tmp_path)   # was "does not exist"
 
 
 def test_eval_rows_after_a_checkpoint_are_cut_on_resume(tmp_path):

@@ -207,7 +207,7 @@ def _open(path: Path) -> tuple[h5py.File, repair.ReadView | None]:
     died through ``ReadView``, so a corrupt one fails at once.
     """
     if not path.is_file():
-        raise UsageError(f"results file {path} does not exist")
+        raise UsageError(not_a_file(path))
     if not h5py.is_hdf5(path):
         raise UsageError(f"results file {path} is not an HDF5 file")
     try:
@@ -243,6 +243,16 @@ def _open(path: Path) -> tuple[h5py.File, repair.ReadView | None]:
         if view is not None:
             view.close()
         raise UsageError(f"results file {path} cannot be opened ({_reason(exc)})") from exc
+
+
+def not_a_file(path) -> str:
+    """Why ``path``, not a regular file, cannot be a results file: the line to say."""
+    path = Path(path)
+    if path.is_dir():
+        return f"results file {path} is a directory; give one run's results file (.h5)"
+    if path.exists():
+        return f"results file {path} is not a regular file (a device, a pipe or a socket)"
+    return f"results file {path} does not exist"
 
 
 def _writer_gone(path: Path) -> bool:

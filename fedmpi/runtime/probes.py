@@ -67,13 +67,14 @@ def evaluate_file(path, probe_names=(), overrides=(), quiet: bool = False) -> di
     run's eval.probes, else linear + spectrum; ``overrides`` are eval.<field>=<value>."""
     from ..config import parse_override
     from ..errors import UsageError
+    from ..results.reader import not_a_file
     from .runfile import take_over
 
     for text in overrides:
         if parse_override(text)[0][0] != "eval":
             raise UsageError(f"--set {text!r}: evaluate takes eval.<field> only")
     if not Path(path).is_file():   # before the lock, which would make its directory
-        raise UsageError(f"results file {path} does not exist")
+        raise UsageError(not_a_file(path))
     # the file's writer for as long as this takes: a `fedmpi run --force` onto it meanwhile
     # would replace it, and this run's probe row would go into the new run's file. An
     # evaluate killed while it wrote its row left the file open: repaired before the probe.
