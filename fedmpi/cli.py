@@ -244,16 +244,21 @@ def _plugin_option(what: str):
 
 
 @main.command()
+@click.argument("names", nargs=-1, metavar="[NAME]...")
 @_plugin_option("algorithms")
 @one_line_errors
-def algorithms(plugins):
-    """List the algorithms with their parameters and defaults."""
+def algorithms(names, plugins):
+    """List the algorithms (all, or each NAME) with their parameters and defaults."""
     from .algorithms import REGISTRY, message_sizes, params_table
     from .config import import_plugins
     from .config.validate import async_refusal
 
     import_plugins(list(plugins))
-    for name in sorted(REGISTRY):
+    for name in names:
+        if name not in REGISTRY:
+            raise UsageError(f"algorithm {name!r} does not exist; choose from "
+                             f"{', '.join(sorted(REGISTRY))}")
+    for name in dict.fromkeys(names) or sorted(REGISTRY):
         cls = REGISTRY[name]
         click.echo(f"{name}  ({cls.paper})")
         doc = (sys.modules[cls.__module__].__doc__ or "").strip().splitlines()

@@ -349,3 +349,10 @@ def test_algorithms_lists_a_plugin_and_names_a_bad_one():
     assert "\ntoy_probe  (" in listed.stdout and "\nfedavg  (" in listed.stdout
     assert_usage_error(fedmpi(["algorithms", "--plugin", "no_such_plugin"]), "plugins",
                        "no_such_plugin")
+    # one method's parameters without paging through 22 (`algorithms fedprox` was refused)
+    one = fedmpi(["algorithms", "toy_probe", "fedprox", "toy_probe", "--plugin", "toy_algorithms"],
+                 check=True, cwd=here).stdout
+    heads = [line.split()[0] for line in one.splitlines() if not line.startswith(" ")]
+    assert heads == ["toy_probe", "fedprox"] and "    algorithm.mu = 0.01" in one
+    assert_usage_error(fedmpi(["algorithms", "fedprx"]), "algorithm 'fedprx' does not exist; "
+                       "choose from fedacg, fedadam, fedavg,")
