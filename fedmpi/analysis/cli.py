@@ -109,7 +109,8 @@ MIN_INTERVAL = 0.1   # seconds: --interval 1e-9 took 56 % of a core from the run
 
 @click.command()
 @click.argument("file")
-@click.option("--interval", default="2", metavar="SECONDS", help="Seconds between polls (default 2, at least 0.1).")
+@click.option("--interval", default="2", metavar="SECONDS",
+              help="Seconds between polls (default 2, at least 0.1).")
 @click.option("--once", is_flag=True, help="Print the current state and exit.")
 @click.option("--wait", is_flag=True, help="Wait for FILE to appear (a job still queued).")
 @click.option("--timeout", metavar="SECONDS",
