@@ -319,12 +319,13 @@ def recover_crashed(path) -> str | None:
     sb = repair.inspect(path)
     if sb is None or not sb.open_for_write:
         return None
+    if liveness.held_for_writing(path):   # evidence of a holder now, where the recorded
+        # writer's liveness is a guess: fedmpi's own writers hold no flock (SWMR drops it)
+        raise UsageError(liveness.held_message(path))
     writer = repair.recorded_writer(path)
     if liveness.state(writer) == liveness.ALIVE:
         from fedmpi.results.lock import busy_message
         raise UsageError(busy_message(path, writer))
-    if liveness.held_for_writing(path):   # the flags are a live holder's, not a dead run's
-        raise UsageError(liveness.held_message(path))
     temporary = _temporary(path, "recover")
     try:
         found = _salvage(path, temporary)
