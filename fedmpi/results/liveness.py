@@ -8,6 +8,7 @@ from another host the answer is "unknown" and callers fall back to the file's pr
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import glob
 import os
@@ -59,27 +60,29 @@ def state(writer) -> str:
     return ALIVE
 
 
-def held_for_writing(path) -> bool:
-    """Whether a live process has the file open for writing outside SWMR (an
-    ``h5py.File(path, "a")`` in a notebook): HDF5 holds an exclusive flock on it for as
-    long as that file is open, and the kernel drops the lock with the process, so a lock
-    that is held has a live holder whatever the file's ``writer`` attribute says. False
-    where the file system has no flock."""
+def flock_holder(path, read=lambda fd: True):
+    """``read(fd)`` (an open descriptor of ``path``) when another process holds an
+    exclusive flock on ``path``; None when none does, or it cannot be told (no file, no
+    flock on its file system). The kernel drops a flock with its process: a held one has
+    a live holder."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
-        return False
+        return None
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    except OSError:
-        return False
-    else:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return False
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)   # released by the close below
+    except OSError as exc:
+        return read(fd) if exc.errno in (errno.EWOULDBLOCK, errno.EACCES) else None
     finally:
         os.close(fd)
+    return None
+
+
+def held_for_writing(path) -> bool:
+    """Whether a live process has the file open for writing outside SWMR (an
+    ``h5py.File(path, "a")`` in a notebook): HDF5 holds an exclusive flock on it for as
+    long as that file is open, whatever the file's ``writer`` attribute says."""
+    return flock_holder(path) is not None
 
 
 def held_message(path) -> str:

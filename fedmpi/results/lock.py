@@ -82,20 +82,7 @@ class RunLock:
 
 def holder(results_path) -> dict | None:
     """The identity of the live process holding the lock of ``results_path``, else None."""
-    path = lock_path(results_path)
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except OSError as exc:
-        if exc.errno in (errno.EWOULDBLOCK, errno.EACCES):
-            return _read(fd) or {}
-        return None
-    finally:
-        os.close(fd)
-    return None
+    return liveness.flock_holder(lock_path(results_path), lambda fd: _read(fd) or {})
 
 
 def busy_message(results_path, writer) -> str:
