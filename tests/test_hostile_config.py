@@ -354,10 +354,6 @@ def test_dataset_options_are_checked_before_mpi(overrides, words):
     pytest.param(['data.data_dir="data\\u0000"'],
                  "config field data.data_dir: must not contain control characters",
                  id="data_dir-nul"),
-    pytest.param(["data.data_dir=''"], "config field data.data_dir: must not be empty; leave it "
-                 "out for where the dataset is found by default", id="data_dir-empty"),
-    pytest.param(["system.state_dir=' '"], "config field system.state_dir: must not be empty; "
-                 "leave it out for the system's temporary directory", id="state_dir-empty"),
     pytest.param(['plugins=["no_such_mod"]'], "config field plugins: cannot import 'no_such_mod'",
                  id="plugin-missing"),
     pytest.param(['plugins=[""]'],

@@ -428,13 +428,6 @@ def _validate_paths(c: ExperimentConfig) -> None:
         raise field_error("output", f"{path[:40]}... is {whole} bytes as an absolute path; with "
                                     f"the hidden files fedmpi keeps beside it the kernel takes at "
                                     f"most {PATH_MAX - 1 - room} (shorten output)")
-    # an empty folder was read as "." (the working directory of whichever rank read it)
-    for field, value, default in (
-            ("data.data_dir", c.data.data_dir, "where the dataset is found by default (fedmpi "
-                                               "datasets shows where)"),
-            ("system.state_dir", c.system.state_dir, "the system's temporary directory")):
-        if value is not None and not value.strip():
-            raise field_error(field, f"must not be empty; leave it out for {default}")
     state_dir = c.system.state_dir and os.path.expanduser(c.system.state_dir)
     if state_dir and Path(state_dir).exists() and not Path(state_dir).is_dir():
         raise field_error("system.state_dir", f"{state_dir} exists and is not a directory")
