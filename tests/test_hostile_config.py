@@ -376,6 +376,26 @@ def test_state_dir_that_is_a_file(tmp_path):
     assert f"config field system.state_dir: {existing} exists and is not a directory" in message
 
 
+@pytest.mark.parametrize("value", ["''", '""', ""])
+def test_an_empty_data_dir_or_state_dir_is_unset(tmp_path, monkeypatch, value):
+    """TOML has no null, so an empty value is how a preset's folder is cleared
+    (tools/preset_fingerprints.py switches presets to synthetic data so). It read as the
+    working directory: fashion_mnist looked for its files in `.` and client states spilled
+    into it. Empty now means unset, on the command line and in a file."""
+    from fedmpi.runtime.state import ClientStateStore
+
+    monkeypatch.chdir(tmp_path)
+    config = cfg.resolve(None, "default", [f"data.data_dir={value}", f"system.state_dir={value}"])
+    assert config.data.data_dir is None and config.system.state_dir is None
+    path = write_config(tmp_path / "t.toml", data={"data_dir": ""}, system={"state_dir": ""})
+    config = cfg.resolve(str(path), None, [])
+    assert config.data.data_dir is None and config.system.state_dir is None
+    store = ClientStateStore({"c": 4}, memory_bytes=0, directory=config.system.state_dir)
+    store.put(0, {"c": np.ones(4, dtype=np.float32)})
+    assert list(tmp_path.iterdir()) == [path]   # spilled to the system's temporary folder
+    store.close()
+
+
 def test_a_tilde_in_output_outdir_and_state_dir_is_the_home_folder(tmp_path, monkeypatch):
     """A TOML file has no shell to expand ``~``, and data paths expanded it while output
     did not: ``output = "~/runs/{name}.h5"`` made a folder named "~" in the working

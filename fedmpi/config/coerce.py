@@ -73,7 +73,7 @@ def check_scalar(field_name: str, value: Any, allow_inf: bool = False, inf_hint:
 def _coerce(field_name: str, value: Any, kind) -> Any:
     """Check one scalar against its annotated type (no silent str->number guessing)."""
     optional = kind == (str | None)
-    if value is None and optional:
+    if optional and (value is None or value == ""):   # TOML has no null: "" unsets a path
         return None
     if kind == list[float]:
         if not isinstance(value, list) or not all(
