@@ -257,9 +257,10 @@ def test_a_worker_killed_under_srun_ends_the_job_and_the_file_resumes(cluster, l
     output = tmp_path / "long.h5"
     job = submit(cluster, "single_node.sbatch", [config.name], tmp_path, ["--ntasks=3"], launcher)
     _wait_for_first_round(cluster, job, output, tmp_path)
-    (worker,) = [pid for pid, env in _processes() if env.get("SLURM_JOB_ID") == job
-                 and env.get("SLURM_PROCID") == "2"]
-    os.kill(worker, signal.SIGKILL)
+    rank_2 = [pid for pid, env in _processes() if env.get("SLURM_JOB_ID") == job
+              and env.get("SLURM_PROCID") == "2"]
+    assert rank_2, logs(tmp_path)
+    os.kill(min(rank_2), signal.SIGKILL)   # the rank itself, should it have a child
     killed = time.time()
     (state,) = cluster.wait(job, timeout=90)
     assert state["JobState"] == "FAILED" and int(state["Restarts"]) == 0, (state, logs(tmp_path))
