@@ -174,16 +174,17 @@ def run_arguments(sweep: Sweep, cell: Cell, force: bool = False) -> list[str]:
 
 def cell_state(sweep: Sweep, cell: Cell) -> tuple[str, list[str]]:
     """The cell's status (``missing`` or the file's: running | completed | failed |
-    interrupted) and its ``config_changes``, from one read of its file."""
+    interrupted, or crashed: running, by a writer that is gone) and its
+    ``config_changes``, from one read of its file."""
     if not cell.output.exists():
         return "missing", []
     import json
 
     from .analysis.runs import flatten
-    from .results import RunFile
+    from .results import RunFile, liveness
 
     with RunFile(cell.output) as run:
-        status, was = run.status, flatten(run.config)
+        status, was = liveness.seen_status(run.status, run.attrs.get("writer")), flatten(run.config)
     now = flatten(json.loads(json.dumps(sweep.config(cell).to_dict())))
     return status, [f"{key} = {toml_value(was[key])} in the file, {toml_value(now[key])} now"
                     for key in sorted(was.keys() & now.keys())

@@ -180,7 +180,8 @@ def test_a_writer_killed_outside_swmr_leaves_a_file_that_is_still_read(completed
         assert run.rounds()["round"].tolist() == [0, 1, 2, 3] and len(run.clients()["round"]) == 15
     assert path.read_bytes() == before   # read through a view: the file is never touched
     report = run_cli(["report", path], timeout=FAST)
-    assert report.returncode == 0 and "running" in report.stdout, report.stderr
+    assert report.returncode == 0, report.stderr
+    assert f"crashed: the file says running, but its writer (pid {pid} on {HOST}) is gone" in report.stdout
     watch = run_cli(["watch", "--once", path], timeout=FAST)
     assert watch.returncode == 1, watch.stderr
     assert watch.stdout.splitlines()[-1] == (
@@ -297,6 +298,42 @@ def test_watch_on_a_file_whose_writer_is_gone_exits_1_at_once(tmp_path, case):
     assert lines[0] == f"watching {path}: fedavg on ?, 3 rounds, running" and len(lines) == 5
     assert lines[-1] == (f"crashed after 3/3 rounds: its writer (pid {writer['pid']} on {HOST}) is gone "
                          f"and the file still says running; continue with: fedmpi run --resume {path}")
+
+
+def test_report_tables_and_sweeps_call_a_file_whose_writer_is_gone_crashed(tmp_path):
+    """Before: `fedmpi report` of a SIGKILLed run said "status running", as the file
+    does, and the tables grouped it with live runs; only `watch` told it was dead."""
+    dead, other = _exited_writer(), {"host": "elsewhere.invalid", "pid": 4711, "start": "x:1"}
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    paths = {"dead": _running_file(runs / "dead.h5", dead), "live": _running_file(runs / "live.h5", liveness.identity()),
+             "other": _running_file(runs / "other.h5", other), "none": _running_file(runs / "none.h5", None)}
+    old = time.time() - 600
+    os.utime(paths["other"], (old, old))
+    lines = {name: run_cli(["report", path], timeout=FAST).stdout.splitlines()[1] for name, path in paths.items()}
+    assert lines["dead"].startswith(
+        f"status       crashed: the file says running, but its writer (pid {dead['pid']} on {HOST}) is gone; "
+        f"continue with: fedmpi run --resume {paths['dead']} (created ")
+    assert lines["live"].startswith(f"status       running (pid {os.getpid()} on {HOST}) (created ")
+    assert lines["other"].startswith("status       running as the file says, last changed 10.0 min ago; its writer "
+                                     f"(pid 4711 on elsewhere.invalid) cannot be checked from {HOST} (created ")
+    assert lines["none"].startswith("status       running as the file says, last changed ")
+    assert "; it records no writer to check (created " in lines["none"]
+    from fedmpi.analysis import load, runs_table
+    assert {Path(row["run"]).stem: row["status"] for row in runs_table(load(runs))} == {
+        "dead": "crashed", "live": "running", "other": "running", "none": "running"}
+    table = run_cli(["report", runs], timeout=FAST)
+    assert table.returncode == 0 and "crashed  1" in table.stdout and "running  3" in table.stdout, table.stdout
+    with RunFile(paths["dead"]) as run:
+        assert run.status == "running"   # the file itself is not changed
+    sweep = tmp_path / "s.toml"
+    sweep.write_text(f'name = "s"\nconfig = "c.toml"\noutdir = "{tmp_path}"\n[grid]\nseed = [0]\n')
+    write_config(tmp_path / "c.toml", rounds=3, seed=0)
+    cell = tmp_path / "s" / "seed=0.h5"
+    cell.parent.mkdir()
+    _running_file(cell, dead)
+    listed = run_cli(["sweep", sweep], timeout=FAST, module="fedmpi")
+    assert listed.returncode == 0 and listed.stdout.splitlines()[-1].split()[:3] == ["0", "crashed", "seed=0"], listed
 
 
 @pytest.mark.parametrize("writer, who", [

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import socket
 
 import numpy as np
 
@@ -23,8 +24,9 @@ from fedmpi.analysis import render
 from fedmpi.analysis.metrics import HOUR, has_virtual_clock, target_name, traffic_per_round_mb
 from fedmpi.analysis.runs import get_key
 from fedmpi.analysis.tables import group_keys, group_table
+from fedmpi.analysis.watch import duration, file_age
 from fedmpi.errors import UsageError
-from fedmpi.results import open_run
+from fedmpi.results import liveness, open_run
 
 _WIDTH = 13  # label column
 _MB = 1e6  # MB here means 10^6 bytes, as network traffic is usually quoted
@@ -35,7 +37,7 @@ def summarize(path) -> str:
     """File, status, experiment, progress, accuracy, traffic and timing, one fact per line."""
     with open_run(path) as run:
         attrs, config, rounds, evals = run.attrs, run.config, run.rounds(), run.evals()
-    lines = [("file", str(path)), ("status", _status(attrs))]
+    lines = [("file", str(path)), ("status", _status(attrs, path))]
     lines += _experiment(config)
     lines += _parameters(config, attrs)
     lines.append(("rounds", _progress(rounds, config)))
@@ -47,8 +49,20 @@ def summarize(path) -> str:
     return "\n".join(f"{label:<{_WIDTH}}{text}" for label, text in lines)
 
 
-def _status(attrs: dict) -> str:
-    text = str(attrs.get("status", "unknown"))
+def _status(attrs: dict, path) -> str:
+    recorded = attrs.get("writer")
+    text = liveness.seen_status(str(attrs.get("status", "unknown")), recorded)
+    writer = liveness.describe(recorded)
+    if text == liveness.CRASHED:
+        text += (f": the file says running, but its writer ({writer}) is gone; "
+                 f"continue with: fedmpi run --resume {path}")
+    elif text == "running" and liveness.state(recorded) == liveness.UNKNOWN:
+        # a run on another node: only its file's age tells (a dead one stops changing)
+        who = (f"its writer ({writer}) cannot be checked from {socket.gethostname()}"
+               if isinstance(recorded, dict) else "it records no writer to check")
+        text += f" as the file says, last changed {duration(file_age(path))} ago; {who}"
+    elif text == "running":
+        text += f" ({writer})"
     if attrs.get("failed_round") is not None:
         text += f" at round {attrs['failed_round']}"
     if attrs.get("error"):

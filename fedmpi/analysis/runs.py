@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from fedmpi.errors import UsageError
-from fedmpi.results import open_run
+from fedmpi.results import liveness, open_run
 
 
 class Run:
@@ -34,10 +34,12 @@ class Run:
             self.config: dict = f.config
             self.rounds: dict[str, np.ndarray] = latest_rows(f.rounds(), by_block=False)
 
-    @property
+    @cached_property
     def status(self) -> str:
-        """running|completed|failed|interrupted, as of loading (load again to refresh)."""
-        return str(self.attrs.get("status", "unknown"))
+        """running|completed|failed|interrupted as the file says, or crashed: the file
+        says running but its writer is gone (seen from the writer's host), as of first
+        use (load again to refresh)."""
+        return liveness.seen_status(str(self.attrs.get("status", "unknown")), self.attrs.get("writer"))
 
     @property
     def completed(self) -> bool:

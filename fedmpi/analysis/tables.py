@@ -27,7 +27,7 @@ from fedmpi.results import schema
 
 # Labels and placement: they differ between runs of one setting, so never split groups.
 IGNORED_KEYS = ("seed", "name", "output", "data.data_dir", "system.")
-STATUS_ORDER = ("completed", "running", "interrupted", "failed")
+STATUS_ORDER = ("completed", "running", "interrupted", "crashed", "failed")
 
 
 def differing_keys(runs: list[Run], ignore=IGNORED_KEYS) -> list[str]:

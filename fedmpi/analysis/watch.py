@@ -56,7 +56,7 @@ def watch(path, interval: float = 2.0, once: bool = False, wait: bool = False, e
     status, config, rounds, attrs = current
     echo(header(path, status, config))
     shown = max(len(rounds.get("round", ())) - 1, 0) if once else 0  # once: the newest row only
-    stalled_since = quiet_since - _age(path)  # a file untouched for a day has been stalled that long
+    stalled_since = quiet_since - file_age(path)  # a file untouched for a day has been stalled that long
     seen, dead = (len(rounds.get("round", ())), status), False
     while True:
         status, config, rounds, attrs = current
@@ -239,7 +239,7 @@ def _seconds(timeout: float) -> str:
     return f"{timeout:g} s"
 
 
-def _age(path) -> float:
+def file_age(path) -> float:
     """Seconds since the file last changed (0 if that is unknown or in the future)."""
     try:
         return max(time.time() - os.stat(path).st_mtime, 0.0)

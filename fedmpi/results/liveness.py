@@ -17,6 +17,7 @@ import socket
 from pathlib import Path
 
 ALIVE, GONE, UNKNOWN = "alive", "gone", "unknown"
+CRASHED = "crashed"   # not a stored status: a file that says running, written by no one
 
 
 def left_by_the_dead(parent: Path, prefix: str, rest: str) -> list[Path]:
@@ -58,6 +59,13 @@ def state(writer) -> str:
     if recorded and now and recorded != now:
         return GONE  # the pid was reused by another process
     return ALIVE
+
+
+def seen_status(status: str, writer) -> str:
+    """A file's status as seen from this host: CRASHED for one that still says "running"
+    while the writer it records is gone (kill -9, the OOM killer, a lost node); the stored
+    status otherwise (also "running" when the writer cannot be checked from here)."""
+    return CRASHED if status == "running" and state(writer) == GONE else status
 
 
 def flock_holder(path, read=lambda fd: True):
