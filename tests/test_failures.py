@@ -140,6 +140,27 @@ def test_force_keeps_the_old_file_when_the_new_run_fails_in_setup_under_mpirun(t
     assert out.read_bytes() == before
 
 
+def test_ranks_that_resolve_different_configs_stop_before_any_work(tmp_path):
+    """Each rank reads the config itself: a file edited while the job started (or a
+    stale copy on one node) gave rank 2 another learning rate, silently, or another
+    model, and a traceback from a buffer of the wrong length. Rank 2's ``--set`` stands
+    in for the edit: it reads what the others did not."""
+    config = write_config(tmp_path / "c.toml", rounds=1)
+    out = tmp_path / "keep.h5"
+    fedmpi(["run", "-q", str(config), "-o", str(out)], check=True)
+    before = out.read_bytes()
+    edit = "--set train.lr=0.1 --set model.hidden=48"
+    script = (f'extra=""; [ "$OMPI_COMM_WORLD_RANK" = 2 ] && extra="{edit}"; '
+              f'exec {sys.executable} -m fedmpi run -q {config} -o {out} --force $extra')
+    proc = mpirun(3, ["bash", "-c", script], check=False)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("fedmpi:")]
+    assert lines == ["fedmpi: rank 2 resolved another config than rank 0 (model.hidden = 48 there, "
+                     "32 on rank 0; train.lr = 0.1 there, 0.05 on rank 0); every rank must read the "
+                     "same one: was the config file edited while the job started? Nothing was run"]
+    assert "Traceback" not in proc.stderr and out.read_bytes() == before
+
+
 @pytest.mark.slow
 def test_a_run_whose_file_is_replaced_stops_and_leaves_the_new_file_alone(tmp_path):
     config = write_config(tmp_path / "c.toml", **LONG)

@@ -3,6 +3,7 @@ way by a run (every rank) and by ``fedmpi evaluate`` (one process)."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from dataclasses import dataclass
@@ -68,6 +69,41 @@ def build_world(config, comm, alg, *, run: bool = True) -> World:
                           flip=config.data.flip and run,
                           channels_last=channels_last and dataset.train_x.dim() == 4)
     return World(threads, device, autocast, dataset, flat, data, split)
+
+
+def same_config(comm, config) -> None:
+    """Raise UsageError on every rank unless every rank resolved the server's config.
+
+    Each rank reads the config file (or the results file it resumes) itself: one edited
+    while a job starts, or a stale copy on one node, would have that rank train another
+    model or learning rate, its buffers of another length, silently."""
+    mine = json.dumps(config.to_dict(), sort_keys=True, default=str)
+    configs = comm.gather_obj(mine, count=False)
+    problem = None
+    if comm.is_server:
+        rank = next((r for r, theirs in enumerate(configs) if theirs != mine), None)
+        if rank is not None:
+            here, there = _leaves(json.loads(mine)), _leaves(json.loads(configs[rank]))
+            keys = sorted(k for k in here.keys() | there.keys() if here.get(k) != there.get(k))
+            shown = "; ".join(f"{k} = {there.get(k)!r} there, {here.get(k)!r} on rank 0" for k in keys[:3])
+            more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+            problem = (f"rank {rank} resolved another config than rank 0 ({shown}{more}); every "
+                       f"rank must read the same one: was the config file edited while the "
+                       f"job started? Nothing was run")
+    problem = comm.bcast_obj(problem)
+    if problem:
+        raise UsageError(problem)
+
+
+def _leaves(values: dict, prefix: str = "") -> dict:
+    """{"train.lr": 0.1, ...}: a nested config as dotted keys."""
+    out = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            out.update(_leaves(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def agree(comm, step):
