@@ -91,7 +91,11 @@ def storage_full_message(full: str, run: bool = True) -> str:
     (the advice to resume is for it alone)."""
     if not run:   # `fedmpi config > /dev/full`, a report into a full disk
         return f"cannot write {full}; free space, or send it elsewhere"
-    return (f"cannot write {full}; free space (or choose another output), then run again: "
+    # fedmpi/runtime/state.py's spill directories: the room is needed there, not at -o
+    where = ("free space there (client states past system.state_memory_mb spill into "
+             "system.state_dir, or TMPDIR when it is unset)" if "/fedmpi-state-" in full else
+             "free space (or choose another output)")
+    return (f"cannot write {full}; {where}, then run again: "
             f"fedmpi run --resume FILE continues a run from its last readable checkpoint")
 
 

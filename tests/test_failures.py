@@ -386,6 +386,47 @@ def test_a_disk_filled_at_once_is_one_line(tmp_path, small_disk, ranks):
                      f"continues a run from its last readable checkpoint"], err
 
 
+# 120 states of 23 kB: past the 1 MiB budget by round 4, all of them 2.8 MB on the 4 MB disk
+SPILLS = dict(rounds=40, algorithm={"name": "scaffold"}, clients={"num": 120, "per_round": 20},
+              data={**TINY["data"], "num_train": 1200}, model={"name": "cnn", "hidden": 256, "channels": [4, 8]},
+              system={"checkpoint_every": 5, "deterministic": True, "state_memory_mb": 1})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [1, pytest.param(3, marks=needs_mpi)])
+def test_a_full_spill_disk_is_one_line_and_the_run_resumes_to_the_same_bits(tmp_path, small_disk, ranks):
+    """SCAFFOLD's control variates past system.state_memory_mb spill into
+    system.state_dir, here a disk another process fills mid-run. It was numpy's
+    traceback, "OSError: 5786 requested and 2048 written", naming no file."""
+    states = small_disk / "states"
+    reference = tmp_path / "ref.h5"
+    fedmpi(["run", "-q", str(write_config(tmp_path / "r.toml", **SPILLS)), "-o", str(reference)], check=True)
+    config = write_config(tmp_path / "c.toml", **{**SPILLS, "system": {**SPILLS["system"], "state_dir": str(states)}})
+    out = tmp_path / "run.h5"
+    args = [sys.executable, "-m", "fedmpi", "run", "-q", str(config), "-o", str(out)]
+    if ranks > 1:
+        args = [mpirun_path(), "-n", str(ranks), "--oversubscribe", "--bind-to", "none"] + args
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_rounds(out, 6, proc)
+    assert any(states.glob("fedmpi-state-*/*.bin"))   # it spills
+    _fill(small_disk)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith("fedmpi:")]
+    assert len(lines) == 1 and lines[0].startswith(f"fedmpi: cannot write {states}/fedmpi-state-"), err
+    assert lines[0].endswith(".bin: no space left on device; free space there (client states past "
+                             "system.state_memory_mb spill into system.state_dir, or TMPDIR when it "
+                             "is unset), then run again: fedmpi run --resume FILE continues a run "
+                             "from its last readable checkpoint"), err
+    assert list(states.iterdir()) == []   # the spill directory is removed, no partial file left
+    (small_disk / "fill").unlink()
+    fedmpi(["run", "-q", "--resume", str(out)], check=True)
+    with RunFile(out) as a, RunFile(reference) as b:
+        assert a.status == "completed" and list(a.rounds()["round"]) == list(range(41))
+        assert a.rounds()["test_acc"].tolist() == b.rounds()["test_acc"].tolist()
+        assert (a.model() == b.model()).all()
+
+
 def test_no_room_for_even_the_lock_is_one_line_and_leaves_nothing(tmp_path, small_disk):
     config = write_config(tmp_path / "c.toml", rounds=2)
     _fill(small_disk)

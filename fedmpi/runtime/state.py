@@ -142,7 +142,12 @@ class ClientStateStore:
         self._memory[client] = state
         while self.memory_bytes is not None and self._memory and self.nbytes > self.memory_bytes:
             victim, victim_state = self._memory.popitem(last=False)
-            self._write(victim, victim_state)
+            try:
+                self._write(victim, victim_state)
+            except OSError:   # the spill disk is full: the state stays where it was
+                self._memory[victim] = victim_state
+                self._memory.move_to_end(victim, last=False)
+                raise
 
     def _path(self, client: int) -> Path:
         if self._spill_dir is None:
@@ -159,9 +164,16 @@ class ClientStateStore:
         return self._spill_dir / f"{client}.bin"
 
     def _write(self, client: int, state: State) -> None:
-        with open(self._path(client), "wb") as f:
-            for name in self.sizes:
-                state[name].tofile(f)
+        """Raises OSError with the errno and the file's name (numpy's ``tofile`` said only
+        "5786 requested and 2048 written" on a full disk); leaves no partial file."""
+        path = self._path(client)
+        try:
+            with open(path, "wb") as f:
+                for name in self.sizes:
+                    f.write(np.ascontiguousarray(state[name]).data)
+        except OSError as exc:
+            path.unlink(missing_ok=True)
+            raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from None
         self._on_disk.add(client)
 
     def _read(self, client: int) -> State:
