@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -159,6 +160,43 @@ def test_ranks_that_resolve_different_configs_stop_before_any_work(tmp_path):
                      "32 on rank 0; train.lr = 0.1 there, 0.05 on rank 0); every rank must read the "
                      "same one: was the config file edited while the job started? Nothing was run"]
     assert "Traceback" not in proc.stderr and out.read_bytes() == before
+
+
+def _on_another_node(tmp_path, config, out, mount=None):
+    """A real ``mpirun -n 3`` whose rank 2 plays a rank on another node: its own host
+    name and, with ``mount = (file, over)``, its own copy of a data file at the same path
+    (node-local scratch), through Linux namespaces. Each rank loads its own data."""
+    swap = f"mount --bind {mount[0]} {mount[1]}; " if mount else ""
+    run = f"{sys.executable} -m fedmpi run -q {config} -o {out}"
+    script = (f'if [ "$OMPI_COMM_WORLD_RANK" = 2 ]; then exec unshare --uts --mount '
+              f'bash -c "hostname node-b; {swap}exec {run}"; else exec {run}; fi')
+    if subprocess.run(["unshare", "--uts", "--mount", "true"], capture_output=True).returncode:
+        pytest.skip("no Linux namespaces here (unshare --uts --mount, as root)")
+    return mpirun(3, ["bash", "-c", script], check=False, env={"FEDMPI_NODE_SHARED": "0"})
+
+
+@needs_mpi
+def test_a_node_whose_copy_of_the_data_differs_stops_the_run_before_any_work(tmp_path):
+    """Each node reads the data files itself: a stale copy on one node's scratch trained
+    its clients on other data, silently. Rank 2 plays that node."""
+    from test_data_arrays import tabular, write
+
+    data, stale = write(tmp_path / "data.npz", **tabular(n_train=40)), tmp_path / "stale.npz"
+    write(stale, **{**tabular(n_train=40), "y_train": (np.arange(40) + 1) % 3})
+    base = {**TINY, "data": {"dataset": "arrays", "path": str(data)}, "model": {"name": "mlp"},
+            "partition": {"kind": "iid"}}
+    config = write_config(tmp_path / "c.toml", base, rounds=2, clients={"num": 4, "per_round": 4})
+    same = _on_another_node(tmp_path, config, tmp_path / "same.h5")
+    assert same.returncode == 0, same.stderr   # another host, the same bytes: it runs
+    proc = _on_another_node(tmp_path, config, tmp_path / "stale.h5", mount=(stale, data))
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("fedmpi:")]
+    assert len(lines) == 1 and lines[0].startswith(
+        f"fedmpi: rank 2 on node-b loaded other data than rank 0 on {socket.gethostname()} "
+        f"(data.path = {data}; SHA-256 "), proc.stderr
+    assert lines[0].endswith("every node must read the same files: is a node's copy stale or "
+                             "incomplete? Nothing was run")
+    assert "Traceback" not in proc.stderr and not (tmp_path / "stale.h5").exists()
 
 
 @pytest.mark.slow

@@ -55,6 +55,7 @@ def build_world(config, comm, alg, *, run: bool = True) -> World:
         torch.cuda.set_device(device)   # before anything else touches CUDA
     dataset = comm.node_shared(lambda: load_dataset(  # once per node, see Comm.node_shared
         config.data.dataset, config.data.data_dir, seed=config.seed, **config.data.options))
+    same_data(comm, config, dataset)
     # the partition: computed once on the server from the seed, broadcast (see `federate`)
     split = comm.bcast_obj(federate(config, dataset) if comm.is_server else None) if run else None
     channels_last = config.model.channels_last and run
@@ -90,6 +91,35 @@ def same_config(comm, config) -> None:
             problem = (f"rank {rank} resolved another config than rank 0 ({shown}{more}); every "
                        f"rank must read the same one: was the config file edited while the "
                        f"job started? Nothing was run")
+    problem = comm.bcast_obj(problem)
+    if problem:
+        raise UsageError(problem)
+
+
+def same_data(comm, config, dataset) -> None:
+    """Raise UsageError on every rank unless every host loaded the server's data.
+
+    Each node reads the files itself (``data.data_dir`` on node-local scratch, staged by
+    a job's prologue): a stale or other copy on one node would train its clients on
+    other data, silently. The lowest rank of each host other than the server's hashes
+    what it loaded (``Dataset.sha256``, as the results file records it) and the server
+    compares; a run on one host hashes nothing here."""
+    hosts = comm.hostnames()
+    me = hosts[comm.rank]
+    first = hosts.index(me) == comm.rank and me != hosts[0]
+    digests = comm.gather_obj(dataset.sha256() if first else None, count=False)
+    problem = None
+    if comm.is_server and any(digests):
+        mine = dataset.sha256()
+        rank = next((r for r, digest in enumerate(digests) if digest not in (None, mine)), None)
+        if rank is not None:
+            data = config.data
+            where = (f"data.path = {data.options['path']}" if "path" in data.options else
+                     f"data.data_dir = {data.data_dir}" if data.data_dir else f"data.dataset = {data.dataset}")
+            problem = (f"rank {rank} on {hosts[rank]} loaded other data than rank 0 on {hosts[0]} "
+                       f"({where}; SHA-256 {digests[rank][:12]}... there, {mine[:12]}... on rank 0); "
+                       f"every node must read the same files: is a node's copy stale or "
+                       f"incomplete? Nothing was run")
     problem = comm.bcast_obj(problem)
     if problem:
         raise UsageError(problem)
