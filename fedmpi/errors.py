@@ -14,7 +14,7 @@ import os
 import re
 import sys
 
-from .signals import launcher_rank   # light: no torch
+from .signals import launcher_local_rank, launcher_rank   # light: no torch
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
@@ -153,9 +153,37 @@ def _excepthook(kind, value, traceback) -> None:
         sys.__excepthook__(kind, value, traceback)
 
 
-def say(message: str) -> None:
-    """'fedmpi: <message>' on stderr, from rank 0 only."""
-    if launcher_rank() == 0:
-        import click
+ALONE_AFTER = 3.0   # seconds another node's rank waits for the job's end before it speaks
 
+
+def say(message: str) -> None:
+    """'fedmpi: <message>' on stderr from rank 0, which speaks for the job: bad input
+    fails every rank alike, before MPI starts, and the launcher ends the job when rank 0
+    exits. The other ranks wait for that end, so that rank 0 exits first (a rank's exit
+    ends the job, which could take rank 0 before it spoke). A node's first rank that is
+    still running ALONE_AFTER seconds later speaks, naming itself: the error was its
+    node's alone (a plugin or a file missing there), and rank 0 went on without a word."""
+    import click
+
+    rank = launcher_rank()
+    if rank == 0:
         click.echo(f"fedmpi: {message}", err=True)
+    elif not _ended_within(ALONE_AFTER) and launcher_local_rank() in (0, None):
+        import socket
+
+        click.echo(f"fedmpi: rank {rank} on {socket.gethostname()}: {message}", err=True)
+
+
+def _ended_within(seconds: float) -> bool:
+    """Whether the launcher stops this process (SIGTERM) within ``seconds``: when ``fedmpi
+    run`` listens, the stop flag says so; elsewhere the signal ends the process."""
+    import time
+
+    from . import signals
+
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if signals.requested():
+            return True
+        time.sleep(0.05)
+    return signals.requested()

@@ -52,6 +52,14 @@ def launcher_rank() -> int:
     return 0
 
 
+def launcher_local_rank() -> int | None:
+    """This process's rank among the launcher's ranks on its node (None: not announced)."""
+    for name in ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return None
+
+
 def install() -> dict | None:
     """Route the stop signals to the flag; returns the previous handlers (None when not
     on the main thread, where Python cannot install handlers). A hang-up or interrupt

@@ -162,17 +162,35 @@ def test_ranks_that_resolve_different_configs_stop_before_any_work(tmp_path):
     assert "Traceback" not in proc.stderr and out.read_bytes() == before
 
 
-def _on_another_node(tmp_path, config, out, mount=None):
-    """A real ``mpirun -n 3`` whose rank 2 plays a rank on another node: its own host
-    name and, with ``mount = (file, over)``, its own copy of a data file at the same path
-    (node-local scratch), through Linux namespaces. Each rank loads its own data."""
+def _on_another_node(tmp_path, config, out, mount=None, env=""):
+    """A real ``mpirun -n 3`` whose rank 2 plays the first rank of another node: its own
+    host name and local rank 0; with ``mount = (file, over)`` its own copy of a data file
+    at the same path (node-local scratch), through Linux namespaces; ``env``: its own
+    environment variables (``NAME=value ...``). Each rank loads its own data."""
     swap = f"mount --bind {mount[0]} {mount[1]}; " if mount else ""
     run = f"{sys.executable} -m fedmpi run -q {config} -o {out}"
-    script = (f'if [ "$OMPI_COMM_WORLD_RANK" = 2 ]; then exec unshare --uts --mount '
-              f'bash -c "hostname node-b; {swap}exec {run}"; else exec {run}; fi')
+    script = (f'if [ "$OMPI_COMM_WORLD_RANK" = 2 ]; then exec env OMPI_COMM_WORLD_LOCAL_RANK=0 {env} '
+              f'unshare --uts --mount bash -c "hostname node-b; {swap}exec {run}"; else exec {run}; fi')
     if subprocess.run(["unshare", "--uts", "--mount", "true"], capture_output=True).returncode:
         pytest.skip("no Linux namespaces here (unshare --uts --mount, as root)")
-    return mpirun(3, ["bash", "-c", script], check=False, env={"FEDMPI_NODE_SHARED": "0"})
+    return mpirun(3, ["bash", "-c", script], check=False,
+                  env={"FEDMPI_NODE_SHARED": "0", "PYTHONPATH": str(tmp_path / "plugins")})
+
+
+@needs_mpi
+def test_bad_input_on_one_node_alone_is_said_by_that_node(tmp_path):
+    """A plugin that one node cannot import (its environment differs): that rank exited
+    2 before MPI started, without a word (only rank 0 speaks for the job), and the job
+    ended on mpirun's "exited with non-zero status" alone."""
+    (tmp_path / "plugins").mkdir()
+    (tmp_path / "plugins" / "fedmpi_site_plugin.py").write_text("SITE = 1\n")
+    config = write_config(tmp_path / "c.toml", rounds=1, plugins=["fedmpi_site_plugin"])
+    proc = _on_another_node(tmp_path, config, tmp_path / "run.h5", env="PYTHONPATH=")
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("fedmpi:")]
+    assert lines == ["fedmpi: rank 2 on node-b: config field plugins: cannot import "
+                     "'fedmpi_site_plugin' (No module named 'fedmpi_site_plugin')"], proc.stderr
+    assert not (tmp_path / "run.h5").exists()
 
 
 @needs_mpi
