@@ -15,6 +15,7 @@ import pytest
 from fedmpi.errors import UsageError
 from fedmpi.results import SCHEMA_VERSION, ResultsWriter, RunFile, open_run
 from fedmpi.results.schema import CLIENT_FIELDS, ROUND_FIELDS
+from fedmpi.runtime.records import RANK_FIELDS
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN_V1 = REPO / "tests" / "data" / "results-v1.h5"
@@ -68,6 +69,28 @@ def test_root_attrs_hold_config_and_provenance(tmp_path):
         assert all(f[g].attrs["schema_version"] == 1 for g in ("partition", "rounds", "clients", "model"))
         assert f["rounds/time_wall"].attrs["units"] == "s"
         assert f["clients/bytes_up"].attrs["units"] == "bytes"
+
+
+def test_every_column_with_a_unit_says_it(tmp_path):
+    """The units the schema documents, as attributes: /ranks' seconds, the virtual
+    clock's columns and /eval's had none."""
+    path = tmp_path / "run.h5"
+    with ResultsWriter.create(path, config=CONFIG, provenance=PROVENANCE,
+                              round_fields=["round", "virtual_time", "n_available", "test_acc"],
+                              client_fields=["round", "client", "vt_start", "vt_end"],
+                              rank_fields=RANK_FIELDS, layout=LAYOUT, partition=PARTITION) as writer:
+        writer.append_eval({"round": 1, "linear_acc": 0.5, "finetune_10pct_acc": 0.4, "seconds": 2.0})
+    with h5py.File(path, "r") as f:
+        units = {name: f[name].attrs.get("units") for name in (
+            "rounds/virtual_time", "rounds/n_available", "rounds/test_acc", "rounds/round",
+            "clients/vt_start", "clients/vt_end", "ranks/seconds_compute", "ranks/seconds_idle",
+            "ranks/seconds_comm", "ranks/bytes_sent", "eval/linear_acc", "eval/finetune_10pct_acc",
+            "eval/seconds", "eval/round")}
+    assert units == {"rounds/virtual_time": "s", "rounds/n_available": "clients", "rounds/test_acc": "fraction",
+                     "rounds/round": None, "clients/vt_start": "s", "clients/vt_end": "s",
+                     "ranks/seconds_compute": "s", "ranks/seconds_idle": "s", "ranks/seconds_comm": "s",
+                     "ranks/bytes_sent": "bytes", "eval/linear_acc": "fraction",
+                     "eval/finetune_10pct_acc": "fraction", "eval/seconds": "s", "eval/round": None}
 
 
 def test_partition_round_trip(tmp_path):

@@ -20,8 +20,9 @@ Layers: ``runs`` (find and read files into ``Run``), ``metrics`` (numbers of one
 """
 
 from fedmpi.analysis.metrics import (
-    MB, accuracy_at, accuracy_curve, best_accuracy, cumulative_time, cumulative_traffic_mb, ema,
-    final_accuracy, kappa, rho, rounds_to, summary, total_traffic_mb, wall_time,
+    MB, accuracy_at, accuracy_curve, best_accuracy, cumulative_time, cumulative_traffic_mb,
+    cumulative_upload_mb, ema, final_accuracy, kappa, rho, rounds_to, summary, total_traffic_mb,
+    traffic_per_round_mb, upload_mb, wall_time,
 )
 from fedmpi.analysis.plot import plot_accuracy, save_plot
 from fedmpi.analysis.runs import Run, SkippedFileWarning, flatten, get_key, load
@@ -31,8 +32,8 @@ from fedmpi.analysis.tables import (
 
 __all__ = [
     "MB", "Run", "SkippedFileWarning", "accuracy_at", "accuracy_curve", "best_accuracy",
-    "clients_table", "cumulative_time", "cumulative_traffic_mb", "differing_keys", "ema",
-    "final_accuracy", "flatten", "get_key", "group_keys", "group_table", "kappa", "load",
-    "pivot", "plot_accuracy", "rho", "rounds_table", "rounds_to", "runs_table", "save_plot",
-    "summary", "total_traffic_mb", "wall_time",
+    "clients_table", "cumulative_time", "cumulative_traffic_mb", "cumulative_upload_mb",
+    "differing_keys", "ema", "final_accuracy", "flatten", "get_key", "group_keys", "group_table",
+    "kappa", "load", "pivot", "plot_accuracy", "rho", "rounds_table", "rounds_to", "runs_table",
+    "save_plot", "summary", "total_traffic_mb", "traffic_per_round_mb", "upload_mb", "wall_time",
 ]

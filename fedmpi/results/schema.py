@@ -79,8 +79,10 @@ def fill_value(field: str):
 
 def units_of(field: str) -> str | None:
     """Unit by naming convention, so new fields (knn_acc, time_probe) get one for free."""
-    if field.startswith("time_") or field == "seconds":
+    if field.startswith(("time_", "seconds")) or field in ("virtual_time", "vt_start", "vt_end"):
         return "s"
+    if field == "n_available":
+        return "clients"
     if "bytes" in field:
         return "bytes"
     if field.endswith("_acc"):

@@ -266,8 +266,8 @@ def append_eval(h5file: h5py.File, row: dict[str, float], spectrum: np.ndarray |
         if name not in fields:
             fields.append(name)
             dtype = schema.column_dtype(name)
-            group.create_dataset(name, shape=(n,), maxshape=(None,), dtype=dtype,
-                                 fillvalue=schema.fill_value(name), chunks=(64,))
+            _label(group.create_dataset(name, shape=(n,), maxshape=(None,), dtype=dtype,
+                                        fillvalue=schema.fill_value(name), chunks=(64,)))
     group.attrs["fields"] = json.dumps(fields)
     for name in fields:
         ds = group[name]
@@ -546,11 +546,15 @@ def _create_columns(group: h5py.Group, fields: list[str], chunk: int) -> None:
     group.attrs["schema_version"] = schema.SCHEMA_VERSION
     group.attrs["fields"] = json.dumps(list(fields))
     for field in fields:
-        ds = group.create_dataset(field, shape=(0,), maxshape=(None,), chunks=(chunk,),
-                                  dtype=schema.column_dtype(field), fillvalue=schema.fill_value(field))
-        unit = schema.units_of(field)
-        if unit:
-            ds.attrs["units"] = unit
+        _label(group.create_dataset(field, shape=(0,), maxshape=(None,), chunks=(chunk,),
+                                    dtype=schema.column_dtype(field), fillvalue=schema.fill_value(field)))
+
+
+def _label(ds: h5py.Dataset) -> None:
+    """The column's ``units`` attribute, where its name has one (``schema.units_of``)."""
+    unit = schema.units_of(ds.name.rsplit("/", 1)[-1])
+    if unit:
+        ds.attrs["units"] = unit
 
 
 def _write_layout(group: h5py.Group, layout: list[tuple[str, tuple[int, ...], int]]) -> int:
