@@ -168,13 +168,13 @@ def say(message: str) -> None:
     rank = launcher_rank()
     if rank == 0:
         click.echo(f"fedmpi: {message}", err=True)
-    elif not _ended_within(ALONE_AFTER) and launcher_local_rank() in (0, None):
+    elif not ended_within(ALONE_AFTER) and launcher_local_rank() in (0, None):
         import socket
 
         click.echo(f"fedmpi: rank {rank} on {socket.gethostname()}: {message}", err=True)
 
 
-def _ended_within(seconds: float) -> bool:
+def ended_within(seconds: float) -> bool:
     """Whether the launcher stops this process (SIGTERM) within ``seconds``: when ``fedmpi
     run`` listens, the stop flag says so; elsewhere the signal ends the process."""
     import time

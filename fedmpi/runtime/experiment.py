@@ -40,8 +40,8 @@ import torch
 from .. import algorithms, signals
 from ..algorithms import group_sgd, local_sgd
 from ..config.validate import group_refusal
-from ..errors import (UsageError, out_of_memory, out_of_memory_message, storage_full,
-                      storage_full_message)
+from ..errors import (ALONE_AFTER, UsageError, ended_within, out_of_memory, out_of_memory_message,
+                      storage_full, storage_full_message)
 from ..results.writer import FileReplacedError
 from .observers import RoundRecord, default_observers
 from .observers.divergence import DIVERGED
@@ -390,6 +390,10 @@ class Experiment:
                 elif self.comm.is_server or self.ready:
                     message = storage_full_message(full) if full else exc
                     print(f"fedmpi: {message}", file=sys.stderr, flush=True)
+                elif not ended_within(ALONE_AFTER):
+                    # the server's abort ends the job: aborting first could take the server
+                    # before it spoke; an error still unsaid by then was this rank's alone
+                    print(f"fedmpi: rank {self.comm.rank}: {exc}", file=sys.stderr, flush=True)
                 self.comm.abort(2 if isinstance(exc, UsageError) else 1)
             traceback.print_exc()
             sys.stderr.flush()
