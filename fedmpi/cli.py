@@ -277,7 +277,8 @@ def algorithms(names, plugins):
 
 
 @main.command()
-@click.option("--data-dir", metavar="DIR", help="Look here instead of the default places, as the config field data.data_dir does.")
+@click.option("--data-dir", metavar="DIR",
+              help="Look here instead of the default places, as the config field data.data_dir does.")
 @_plugin_option("datasets")
 @one_line_errors
 def datasets(data_dir, plugins):

@@ -306,8 +306,8 @@ def test_report_tables_and_sweeps_call_a_file_whose_writer_is_gone_crashed(tmp_p
     dead, other = _exited_writer(), {"host": "elsewhere.invalid", "pid": 4711, "start": "x:1"}
     runs = tmp_path / "runs"
     runs.mkdir()
-    paths = {"dead": _running_file(runs / "dead.h5", dead), "live": _running_file(runs / "live.h5", liveness.identity()),
-             "other": _running_file(runs / "other.h5", other), "none": _running_file(runs / "none.h5", None)}
+    writers = {"dead": dead, "live": liveness.identity(), "other": other, "none": None}
+    paths = {name: _running_file(runs / f"{name}.h5", writer) for name, writer in writers.items()}
     old = time.time() - 600
     os.utime(paths["other"], (old, old))
     lines = {name: run_cli(["report", path], timeout=FAST).stdout.splitlines()[1] for name, path in paths.items()}
@@ -333,7 +333,8 @@ def test_report_tables_and_sweeps_call_a_file_whose_writer_is_gone_crashed(tmp_p
     cell.parent.mkdir()
     _running_file(cell, dead)
     listed = run_cli(["sweep", sweep], timeout=FAST, module="fedmpi")
-    assert listed.returncode == 0 and listed.stdout.splitlines()[-1].split()[:3] == ["0", "crashed", "seed=0"], listed
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout.splitlines()[-1].split()[:3] == ["0", "crashed", "seed=0"], listed.stdout
 
 
 @pytest.mark.parametrize("writer, who", [

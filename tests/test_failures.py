@@ -457,7 +457,8 @@ def test_a_full_spill_disk_is_one_line_and_the_run_resumes_to_the_same_bits(tmp_
     states = small_disk / "states"
     reference = tmp_path / "ref.h5"
     fedmpi(["run", "-q", str(write_config(tmp_path / "r.toml", **SPILLS)), "-o", str(reference)], check=True)
-    config = write_config(tmp_path / "c.toml", **{**SPILLS, "system": {**SPILLS["system"], "state_dir": str(states)}})
+    spill_here = {**SPILLS["system"], "state_dir": str(states)}
+    config = write_config(tmp_path / "c.toml", **{**SPILLS, "system": spill_here})
     out = tmp_path / "run.h5"
     args = [sys.executable, "-m", "fedmpi", "run", "-q", str(config), "-o", str(out)]
     if ranks > 1:

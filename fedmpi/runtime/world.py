@@ -115,7 +115,8 @@ def same_data(comm, config, dataset) -> None:
         if rank is not None:
             data = config.data
             where = (f"data.path = {data.options['path']}" if "path" in data.options else
-                     f"data.data_dir = {data.data_dir}" if data.data_dir else f"data.dataset = {data.dataset}")
+                     f"data.data_dir = {data.data_dir}" if data.data_dir else
+                     f"data.dataset = {data.dataset}")
             problem = (f"rank {rank} on {hosts[rank]} loaded other data than rank 0 on {hosts[0]} "
                        f"({where}; SHA-256 {digests[rank][:12]}... there, {mine[:12]}... on rank 0); "
                        f"every node must read the same files: is a node's copy stale or "
