@@ -420,6 +420,14 @@ def test_a_file_size_limit_stops_the_run_the_same_way(tmp_path, never_stopped):
     _resumes_to_the_same_bits(out, reference)
 
 
+def _start_on(ranks: int, config, out) -> subprocess.Popen:
+    """`fedmpi run` of ``config`` into ``out``, alone (1) or under a real mpirun."""
+    args = [sys.executable, "-m", "fedmpi", "run", "-q", str(config), "-o", str(out)]
+    if ranks > 1:
+        args = [mpirun_path(), "-n", str(ranks), "--oversubscribe", "--bind-to", "none"] + args
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks", [1, pytest.param(3, marks=needs_mpi)])
 def test_a_disk_filled_at_once_is_one_line(tmp_path, small_disk, ranks):
@@ -428,10 +436,7 @@ def test_a_disk_filled_at_once_is_one_line(tmp_path, small_disk, ranks):
     the file failed needs the disk too)."""
     config = write_config(tmp_path / "c.toml", rounds=100000, system={"checkpoint_every": 5})
     out = small_disk / "run.h5"
-    args = [sys.executable, "-m", "fedmpi", "run", "-q", str(config), "-o", str(out)]
-    if ranks > 1:
-        args = [mpirun_path(), "-n", str(ranks), "--oversubscribe", "--bind-to", "none"] + args
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = _start_on(ranks, config, out)
     wait_rounds(out, 5, proc)
     _fill(small_disk)
     _, err = proc.communicate(timeout=120)
@@ -460,10 +465,7 @@ def test_a_full_spill_disk_is_one_line_and_the_run_resumes_to_the_same_bits(tmp_
     spill_here = {**SPILLS["system"], "state_dir": str(states)}
     config = write_config(tmp_path / "c.toml", **{**SPILLS, "system": spill_here})
     out = tmp_path / "run.h5"
-    args = [sys.executable, "-m", "fedmpi", "run", "-q", str(config), "-o", str(out)]
-    if ranks > 1:
-        args = [mpirun_path(), "-n", str(ranks), "--oversubscribe", "--bind-to", "none"] + args
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = _start_on(ranks, config, out)
     wait_rounds(out, 6, proc)
     assert any(states.glob("fedmpi-state-*/*.bin"))   # it spills
     _fill(small_disk)
