@@ -237,7 +237,7 @@ def test_report_and_plot_skip_damaged_files_in_a_directory(completed, tmp_path):
         lines = proc.stderr.splitlines()
         assert len(lines) == 2 and all(line.startswith(s) for line, s in zip(lines, skipped)), lines
     table = run_cli(["report", runs, "--format", "markdown"], timeout=FAST).stdout
-    assert "| fedavg | completed | 1 |" in table and "| fedavg | running | 1 |" in table  # a, d
+    assert "| fedavg | completed | 1 |" in table and "| fedavg | crashed | 1 |" in table  # a, d
     named = run_cli(["report", runs / "a-good.h5", runs / "b-cut.h5"], timeout=FAST)
     assert named.returncode == 2 and named.stderr.count("\n") == 1 and "b-cut.h5 is damaged" in named.stderr
     strict = run_cli(["report", runs, "--strict"], timeout=FAST)
