@@ -141,6 +141,7 @@ def test_force_keeps_the_old_file_when_the_new_run_fails_in_setup_under_mpirun(t
     assert out.read_bytes() == before
 
 
+@needs_mpi
 def test_ranks_that_resolve_different_configs_stop_before_any_work(tmp_path):
     """Each rank reads the config itself: a file edited while the job started (or a
     stale copy on one node) gave rank 2 another learning rate, silently, or another
