@@ -308,14 +308,14 @@ def test_report_tables_and_sweeps_call_a_file_whose_writer_is_gone_crashed(tmp_p
     runs.mkdir()
     writers = {"dead": dead, "live": liveness.identity(), "other": other, "none": None}
     paths = {name: _running_file(runs / f"{name}.h5", writer) for name, writer in writers.items()}
-    old = time.time() - 600
+    old = time.time() - 9000   # 2.5 h: shown as such for the next 3 min
     os.utime(paths["other"], (old, old))
     lines = {name: run_cli(["report", path], timeout=FAST).stdout.splitlines()[1] for name, path in paths.items()}
     assert lines["dead"].startswith(
         f"status       crashed: the file says running, but its writer (pid {dead['pid']} on {HOST}) is gone; "
         f"continue with: fedmpi run --resume {paths['dead']} (created ")
     assert lines["live"].startswith(f"status       running (pid {os.getpid()} on {HOST}) (created ")
-    assert lines["other"].startswith("status       running as the file says, last changed 10.0 min ago; its writer "
+    assert lines["other"].startswith("status       running as the file says, last changed 2.5 h ago; its writer "
                                      f"(pid 4711 on elsewhere.invalid) cannot be checked from {HOST} (created ")
     assert lines["none"].startswith("status       running as the file says, last changed ")
     assert "; it records no writer to check (created " in lines["none"]
