@@ -84,7 +84,9 @@ def same_config(comm, config) -> None:
     if comm.is_server:
         rank = next((r for r, theirs in enumerate(configs) if theirs != mine), None)
         if rank is not None:
-            here, there = _leaves(json.loads(mine)), _leaves(json.loads(configs[rank]))
+            from ..analysis.runs import flatten   # as sweeps compare configs
+
+            here, there = flatten(json.loads(mine)), flatten(json.loads(configs[rank]))
             keys = sorted(k for k in here.keys() | there.keys() if here.get(k) != there.get(k))
             shown = "; ".join(f"{k} = {there.get(k)!r} there, {here.get(k)!r} on rank 0" for k in keys[:3])
             more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
@@ -124,17 +126,6 @@ def same_data(comm, config, dataset) -> None:
     problem = comm.bcast_obj(problem)
     if problem:
         raise UsageError(problem)
-
-
-def _leaves(values: dict, prefix: str = "") -> dict:
-    """{"train.lr": 0.1, ...}: a nested config as dotted keys."""
-    out = {}
-    for key, value in values.items():
-        if isinstance(value, dict):
-            out.update(_leaves(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 def agree(comm, step):
