@@ -123,8 +123,10 @@ def _x_train_header(file: Path) -> tuple[tuple[int, ...], np.dtype]:
             _fail(file, f"array 'x_train' cannot be read ({_one_line(err)})")
         return tuple(shape), np.dtype(dtype)
     import h5py
+
+    from fedmpi import hdf5
     try:
-        with h5py.File(file, "r") as f:
+        with hdf5.File(file, "r") as f:
             if "x_train" not in f:
                 _missing(file, "x_train", list(f))
             node = f["x_train"]
@@ -236,9 +238,11 @@ def _read_npz(file: Path) -> dict[str, np.ndarray]:
 def _read_hdf5(file: Path) -> dict[str, np.ndarray]:
     import h5py
 
+    from fedmpi import hdf5
+
     out = {}
     try:
-        with h5py.File(file, "r") as f:
+        with hdf5.File(file, "r") as f:
             for key in f:
                 node = f[key]
                 if not isinstance(node, h5py.Dataset):

@@ -52,7 +52,8 @@ class RunLock:
                 os.close(fd)
                 if exc.errno in (errno.EWOULDBLOCK, errno.EACCES):
                     raise UsageError(busy_message(results_path, holder)) from None
-                return cls(results_path, None)   # no flock here: rely on the writer record
+                path.unlink(missing_ok=True)   # no flock here: rely on the writer record
+                return cls(results_path, None)
             try:
                 same = os.stat(path).st_ino == os.fstat(fd).st_ino
             except FileNotFoundError:

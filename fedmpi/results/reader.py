@@ -16,7 +16,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from fedmpi import __version__
+from fedmpi import __version__, hdf5
 from fedmpi.errors import UsageError
 from fedmpi.results import checkpoint, liveness, repair, schema
 
@@ -223,11 +223,11 @@ def _open(path: Path) -> tuple[h5py.File, repair.ReadView | None]:
                          f"fedmpi run --resume {path} says what can be recovered")
     if sb is not None and sb.swmr_writing and not _writer_gone(path):
         try:
-            return h5py.File(path, "r", swmr=True), None
+            return hdf5.File(path, "r", swmr=True), None
         except OSError:
             pass
     try:
-        return h5py.File(path, "r"), None
+        return hdf5.File(path, "r"), None
     except OSError as exc:
         if "unable to lock file" in str(exc):   # HDF5's lock: a writer outside SWMR has it
             raise UsageError(liveness.held_message(path)) from exc

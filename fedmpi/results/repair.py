@@ -141,9 +141,11 @@ def salvage(path, dest, libver) -> list[str]:
     file ``dest``; returns the names of the objects that could not be read."""
     import h5py
 
+    from fedmpi import hdf5
+
     lost: list[str] = []
     with ReadView(path) as view, h5py.File(view, "r") as src, \
-            h5py.File(dest, "w", libver=libver) as dst:
+            hdf5.File(dest, "w", libver=libver) as dst:
         _copy_attrs(src, dst, "/", lost)
         _copy_group(src, dst, "", lost)
     return lost
@@ -173,9 +175,9 @@ def assess(copy, lost: list[str]) -> Assessment:
     """Judge a ``salvage`` copy: a run can resume from it when everything a resume reads
     survived (the config, the partition, the layout, every column) and at most the
     checkpoint slot that was being written when the writer died is lost."""
-    import h5py
+    from fedmpi import hdf5
 
-    with h5py.File(copy, "r") as f:
+    with hdf5.File(copy, "r") as f:
         config = "config" in f.attrs
         columns = [f[g] for g in ("rounds", "clients") if g in f]
         rounds = 0

@@ -21,7 +21,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from fedmpi import __version__
+from fedmpi import __version__, hdf5
 from fedmpi.errors import UsageError
 from fedmpi.results import checkpoint, liveness, repair, schema
 
@@ -69,8 +69,9 @@ class ResultsWriter:
 
         temporary = _temporary(path, "tmp")
         try:
-            h5file = h5py.File(temporary, "w", libver=schema.LIBVER)
+            h5file = hdf5.File(temporary, "w", libver=schema.LIBVER)
         except OSError as exc:
+            temporary.unlink(missing_ok=True)   # HDF5 may have made it before failing
             raise UsageError(f"results file {path}: cannot write in {path.parent} "
                              f"({_reason(exc)})") from None
         try:
@@ -368,7 +369,7 @@ def _temporary(path: Path, kind: str) -> Path:
 def _drop(path: Path, names: list[str]) -> None:
     """Remove what ``assess`` found expendable (a half-written spare checkpoint slot), so
     the next checkpoint rebuilds it."""
-    with h5py.File(path, "r+") as f:
+    with hdf5.File(path, "r+") as f:
         for name in names:
             top = "/".join(name.split("/")[:2])
             if top in f:
@@ -400,7 +401,7 @@ def _reopen(path: Path) -> h5py.File:
     try:
         return h5py.File(path, "r+", libver=schema.LIBVER, locking=False)
     except OSError:
-        return h5py.File(path, "r+", libver=schema.LIBVER)
+        return hdf5.File(path, "r+", libver=schema.LIBVER)
 
 
 def _root_attrs(config: dict, provenance: dict) -> dict:
@@ -516,7 +517,7 @@ def refuse_foreign(path) -> None:
             return
         what = None if h5py.is_hdf5(path) else "not an HDF5 file"
         if what is None:
-            with h5py.File(path, "r") as h5file:
+            with hdf5.File(path, "r") as h5file:
                 if h5file.attrs.get("format") not in (schema.FORMAT, schema.FORMAT.encode()):
                     what = "an HDF5 file but not a fedmpi results file"
     except OSError:
