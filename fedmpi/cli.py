@@ -207,6 +207,7 @@ def _resume_config(path, other_arguments):
                 raise UsageError(problem)
     with RunFile(path) as run:
         status, values, writer = run.status, run.config, run.attrs.get("writer")
+        start = run.start_dir
     if status == "running" and liveness.state(writer) == liveness.ALIVE:
         from .results.lock import busy_message
         raise UsageError(busy_message(path, writer))
@@ -214,6 +215,10 @@ def _resume_config(path, other_arguments):
         if _launcher_rank() == 0:
             click.echo(f"{path}: run already completed; nothing to resume")
         return None
+    if start is not None and not start.samefile("."):
+        # the run's relative paths (data.path, state_dir, ...) point from where it started
+        path = os.path.abspath(path)
+        os.chdir(start)
     values["output"] = str(path).replace("{", "{{").replace("}", "}}")
     return from_dict(values)
 

@@ -65,6 +65,18 @@ class RunFile:
 
     @property
     @_reads
+    def start_dir(self) -> Path | None:
+        """The working directory the run started in, where its config's relative paths
+        (``data.path``, ``system.state_dir``, ...) point from; None when it is not
+        recorded (files written before it) or no longer a directory here."""
+        where = self._file.attrs.get("cwd")
+        if where is None:
+            return None
+        where = Path(_python(where))
+        return where if where.is_dir() else None
+
+    @property
+    @_reads
     def status(self) -> str:
         """running|completed|failed|interrupted as of opening (reopen to see a change).
 

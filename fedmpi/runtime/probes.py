@@ -12,6 +12,7 @@ the same bits for any number of workers. Used by the runtime on probe rounds and
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
@@ -96,6 +97,7 @@ def _evaluate_locked(path, probe_names, overrides, quiet: bool) -> dict:
 
     with RunFile(path) as done:
         values, status, names = done.config, done.status, done.model_names()
+        start = done.start_dir
         if "final" not in names:
             raise UsageError(f"{path}: no final model (status {status!r}); evaluate a completed run")
         vector = done.model("final")
@@ -106,13 +108,14 @@ def _evaluate_locked(path, probe_names, overrides, quiet: bool) -> dict:
     # the clients' local models are not in the file: their spectra were taken during the
     # run, and the run's setting must not refuse `--probe linear` (it needs "spectrum")
     values["eval"]["local_spectra"] = False
-    config = from_dict(values)
-    alg = algorithms.build(config.algorithm.name, config.algorithm.params)
-    if alg.supervised:
-        raise UsageError(f"{path}: algorithm {config.algorithm.name!r} is supervised; "
-                         f"probes are for self-supervised encoders")
     comm = LocalComm()
-    world = build_world(config, comm, alg, run=False)   # standard layout: the file's order
+    with contextlib.chdir(start or "."):   # the run's relative data paths, as it read them
+        config = from_dict(values)
+        alg = algorithms.build(config.algorithm.name, config.algorithm.params)
+        if alg.supervised:
+            raise UsageError(f"{path}: algorithm {config.algorithm.name!r} is supervised; "
+                             f"probes are for self-supervised encoders")
+        world = build_world(config, comm, alg, run=False)   # standard layout: the file's order
     world.flat.load(torch.from_numpy(vector).to(world.device))
     row, values, _ = run(comm, world.flat.module.encoder, world.data, world.dataset.num_classes,
                          config, completed)

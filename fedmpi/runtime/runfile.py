@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -34,6 +35,10 @@ def create_file(exp, dataset, ranks) -> bool:
         "writer": liveness.identity(), "eval_batch_size": exp.eval_batch,
         "client_group": exp.group,
     }
+    try:   # where the config's relative paths point from, for --resume and evaluate
+        provenance["cwd"] = os.getcwd()
+    except OSError:   # removed meanwhile: the paths resolve from wherever a resume runs
+        pass
     sources = getattr(cfg, "algorithm_param_sources", None)   # set by config.resolve
     if sources is not None:
         provenance["algorithm_param_sources"] = dict(sources)
