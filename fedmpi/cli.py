@@ -74,6 +74,9 @@ class _Commands(click.Group):
 @one_line_errors
 def main():
     """fedmpi: federated-learning experiments on MPI, results in one HDF5 file."""
+    from .streams import hold_standard_descriptors
+
+    hold_standard_descriptors()   # before any file is opened
     try:   # a removed working directory: torch's MKL would die loading its libraries
         os.getcwd()
     except FileNotFoundError:

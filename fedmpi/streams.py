@@ -57,6 +57,22 @@ class _Unbreakable:
         return getattr(self._stream, name)
 
 
+def hold_standard_descriptors() -> None:
+    """Point each of descriptors 0, 1 and 2 that is closed (`fedmpi run ... >&- 2>&-`, a
+    daemon's child) at /dev/null. Left closed, the next file opened takes its number, the
+    lock file or the results file, and whatever writes to stdout or stderr below Python
+    (MPI, HDF5, an OpenMP or CUDA warning) writes into it: over the results file's
+    first bytes, which left it unreadable."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)   # the lowest free number: this one
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+
+
 def keep_going(note: str = "") -> None:
     """Make sys.stdout and sys.stderr survive their readers and their disks; ``note``
     (what happens now) ends the one line written when stdout fails."""

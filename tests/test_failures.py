@@ -247,6 +247,24 @@ def test_a_run_whose_file_is_removed_stops_with_one_line(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.toml"]
 
 
+@pytest.mark.parametrize("closed", [">&- 2>&-", "2>&-", ">&- <&-"])
+def test_a_run_started_with_its_standard_descriptors_closed_keeps_its_file(tmp_path, closed):
+    """Started with stdout or stderr closed, the lock file and the results file took
+    descriptors 1 and 2, and a warning written to them below Python (MPI, HDF5, OpenMP)
+    went over the results file's first bytes: exit 1, and a file nothing could read."""
+    config = write_config(tmp_path / "c.toml", plugins=["toy_algorithms"],
+                          algorithm={"name": "toy_chatty", "chat_round": 2}, rounds=4)
+    out = tmp_path / "run.h5"
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "tests") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(["bash", "-c", f'exec "$0" -m fedmpi run -q "$1" -o "$2" {closed}',
+                           sys.executable, str(config), str(out)], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    with RunFile(out) as run:
+        assert run.status == "completed" and run.rounds()["round"].tolist() == [0, 1, 2, 3, 4]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.toml", "run.h5"]
+
+
 def test_divergence_names_the_round_as_progress_lines_count_it(tmp_path):
     config = write_config(tmp_path / "c.toml", rounds=3, train={"lr": 1e30, "clip_norm": 0.0})
     out = tmp_path / "nan.h5"

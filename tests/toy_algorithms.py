@@ -129,6 +129,32 @@ class ToyCrash(Algorithm):
 
 
 @register
+class ToyChatty(Algorithm):
+    """FedAvg whose local update in round ``chat_round`` writes a line straight to
+    descriptors 1 and 2, as a C library's warning does, below Python's streams."""
+
+    name = "toy_chatty"
+    paper = "test fixture"
+
+    @dataclass(frozen=True)
+    class Params(Params):
+        chat_round: int = field(default=2, metadata={"doc": "0-based round that writes"})
+
+    def local_update(self, task, payload, client_state, ctx):
+        import os
+
+        from fedmpi.algorithms import local_sgd
+
+        if ctx.round == self.params.chat_round:
+            for fd in (1, 2):
+                try:
+                    os.write(fd, b"a C library's warning, straight to the descriptor\n")
+                except OSError:
+                    pass
+        return local_sgd.local_update(task, payload["x"], ctx)
+
+
+@register
 class ToySlowEval(Algorithm):
     """FedAvg whose model, when it is scored (eval mode) while the file ``marker`` does
     not exist, creates that file and sleeps ``seconds``: a test removes the marker, waits
