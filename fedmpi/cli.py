@@ -54,6 +54,8 @@ class _Commands(click.Group):
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
+        except KeyboardInterrupt:   # Ctrl-C, where main() is not called by __main__.entry
+            sys.exit(EXIT_INTERRUPTED)
         except click.UsageError as error:
             name = ctx.meta.get("fedmpi.command")
             root = ctx.find_root().command_path

@@ -99,6 +99,31 @@ def test_evaluate_a_finished_run_repeats_the_last_probe(single, tmp_path):
 
 
 @pytest.mark.slow
+def test_ctrl_c_during_evaluate_exits_130_and_leaves_the_file_as_it_was(single, tmp_path):
+    """Ctrl-C in any command but `run` (which checkpoints) ends it by the signal (the
+    shell's exit 130), at once and silently. click said `Aborted!` and exited 1, as for a
+    failure; a KeyboardInterrupt that landed in a finalizer was lost, the probe went on."""
+    import signal
+
+    copy = tmp_path / "copy.h5"
+    copy.write_bytes(single.read_bytes())
+    slow = subprocess.Popen([sys.executable, "-m", "fedmpi", "evaluate", "-q", str(copy),
+                             "--probe", "linear", "--set", "eval.linear_epochs=100000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while lock_holder(copy) is None:   # past the imports: probing
+        assert slow.poll() is None and time.time() < deadline, slow.stderr.read()
+        time.sleep(0.05)
+    slow.send_signal(signal.SIGINT)
+    out, err = slow.communicate(timeout=60)
+    assert slow.returncode == -signal.SIGINT and out == err == "", (slow.returncode, out, err)
+    assert lock_holder(copy) is None   # a flock goes with its process
+    with RunFile(copy) as run, RunFile(single) as before:
+        assert run.status == "completed"
+        assert run.evals()["round"].tolist() == before.evals()["round"].tolist()
+
+
+@pytest.mark.slow
 def test_evaluate_holds_the_file_against_a_forced_run(single, tmp_path):
     """`fedmpi run --force` onto a file being evaluated would replace it, and the probe row
     of the old run would land in the new run's file: refused while evaluate runs."""

@@ -134,11 +134,7 @@ def watch(file, interval, once, wait, timeout):
 
     seconds = parse_seconds("--interval", interval, least=MIN_INTERVAL)
     limit = None if timeout is None else parse_seconds("--timeout", timeout)
-    try:
-        code = follow(file, interval=seconds, once=once, wait=wait, echo=click.echo, timeout=limit)
-    except KeyboardInterrupt:
-        code = 130
-    sys.exit(code)
+    sys.exit(follow(file, interval=seconds, once=once, wait=wait, echo=click.echo, timeout=limit))
 
 
 def load_runs(sources, strict: bool, completed_only: bool):
