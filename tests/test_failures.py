@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -216,6 +217,36 @@ def test_a_node_whose_copy_of_the_data_differs_stops_the_run_before_any_work(tmp
     assert lines[0].endswith("every node must read the same files: is a node's copy stale or "
                              "incomplete? Nothing was run")
     assert "Traceback" not in proc.stderr and not (tmp_path / "stale.h5").exists()
+
+
+@needs_mpi
+@pytest.mark.parametrize("stale", ["fedmpi", "torch"])
+def test_a_node_that_runs_other_software_stops_the_run_before_any_work(tmp_path, stale):
+    """Each node runs its own environment: another torch on one node (another module
+    loaded), or a stale copy of fedmpi that still says its version, gave other bits than
+    one rank, silently. Rank 2 plays that node: its own copy of a file of the install."""
+    import torch.version
+
+    config = write_config(tmp_path / "c.toml", rounds=1)
+    if stale == "fedmpi":   # one line more in one module: the version number is the same
+        real = ROOT / "fedmpi" / "runtime" / "rng.py"
+        copy = tmp_path / "rng.py"
+        copy.write_text(real.read_text() + "# an older checkout\n")
+        want = "fedmpi's code "
+    else:
+        real = Path(torch.version.__file__)
+        copy = tmp_path / "version.py"
+        copy.write_text(real.read_text().replace(f"'{torch.__version__}'", "'2.13.0+cpu'"))
+        want = f"torch 2.13.0+cpu there, {torch.__version__} on rank 0"
+    assert copy.read_text() != real.read_text()
+    proc = _on_another_node(tmp_path, config, tmp_path / "run.h5", mount=(copy, real))
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("fedmpi:")]
+    assert len(lines) == 1 and lines[0].startswith(
+        "fedmpi: rank 2 on node-b runs other software than rank 0 (") and want in lines[0], proc.stderr
+    assert lines[0].endswith("every rank must run the same environment: is a node's install "
+                             "stale, or another module loaded there? Nothing was run")
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run.h5").exists()
 
 
 @pytest.mark.slow

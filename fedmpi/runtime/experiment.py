@@ -60,7 +60,7 @@ from .asyncfl import MODES as ASYNC_MODES, AsyncServer
 from .compression import Compression
 from .vclock import (VirtualClock, dropped_rows, sample_available, selection_size,
                      virtual_columns)
-from .world import build_world, eval_batch_size, rank_info, rank_table, same_config
+from .world import build_world, eval_batch_size, rank_info, rank_table, same_config, same_software
 
 __all__ = ["CLIENT_FIELDS", "EXIT_PREEMPTED", "RANK_FIELDS", "ROUND_FIELDS", "Contributions",
            "Experiment", "StopRun", "eval_batch_size", "rank_table", "sum_in_client_order"]
@@ -92,6 +92,7 @@ class Experiment:
     # ---- setup ------------------------------------------------------------------------
     def setup(self) -> None:
         cfg, comm = self.config, self.comm
+        same_software(comm)
         same_config(comm, cfg)
         world = build_world(cfg, comm, self.alg)
         self.threads, self.device, self.autocast = world.threads, world.device, world.autocast

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import __version__
 from ..data import load_dataset
 from ..errors import UsageError
 from ..flat import FlatModel
@@ -70,6 +71,49 @@ def build_world(config, comm, alg, *, run: bool = True) -> World:
                           flip=config.data.flip and run,
                           channels_last=channels_last and dataset.train_x.dim() == 4)
     return World(threads, device, autocast, dataset, flat, data, split)
+
+
+def software() -> dict[str, str]:
+    """What this rank runs: the versions that decide its bits, and a digest of fedmpi's
+    own source files (one node's stale copy keeps the version number)."""
+    import hashlib
+    import platform
+    from pathlib import Path
+
+    import numpy as np
+
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return {"fedmpi": __version__, "fedmpi's code": digest.hexdigest()[:16],
+            "torch": torch.__version__, "numpy": np.__version__,
+            "python": platform.python_version()}
+
+
+def same_software(comm) -> None:
+    """Raise UsageError on every rank unless every rank runs the server's software.
+
+    Each node runs its own Python environment (a module loaded, a container, an install
+    on local disk): another torch or a stale fedmpi on one node gives other bits than a
+    run on one rank, or a protocol the others do not speak, silently."""
+    if comm.size == 1:
+        return
+    mine = software()
+    theirs = comm.gather_obj((socket.gethostname(), mine), count=False)
+    problem = None
+    if comm.is_server:
+        rank = next((r for r, (_, sw) in enumerate(theirs) if sw != mine), None)
+        if rank is not None:
+            host, sw = theirs[rank]
+            shown = "; ".join(f"{k} {sw.get(k)} there, {v} on rank 0"
+                              for k, v in mine.items() if sw.get(k) != v)
+            problem = (f"rank {rank} on {host} runs other software than rank 0 ({shown}); "
+                       f"every rank must run the same environment: is a node's install "
+                       f"stale, or another module loaded there? Nothing was run")
+    problem = comm.bcast_obj(problem)
+    if problem:
+        raise UsageError(problem)
 
 
 def same_config(comm, config) -> None:
