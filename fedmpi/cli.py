@@ -15,6 +15,11 @@ from .errors import UsageError, one_line_errors, say
 from .signals import launcher_rank as _launcher_rank   # light: no torch
 
 EXIT_FAILED, EXIT_INTERRUPTED = 1, 130   # 130: killed by SIGINT, by convention
+# The commands whose ranks work together under mpirun or srun; every other command is
+# one process's work, done by launcher rank 0 alone (the others exit 0 at once): three
+# ranks printed a report three times, wrote one figure three times over each other, and
+# `fedmpi evaluate` raced for the file's lock and ended the job with exit 2.
+MPI_COMMANDS = ("run", "sweep")
 
 
 class _CommandLineError(click.UsageError):
@@ -79,6 +84,8 @@ def main():
     from .streams import hold_standard_descriptors
 
     hold_standard_descriptors()   # before any file is opened
+    if click.get_current_context().invoked_subcommand not in MPI_COMMANDS and _launcher_rank():
+        sys.exit(0)   # `srun fedmpi report|plot|evaluate`: launcher rank 0 does it, once
     try:   # a removed working directory: torch's MKL would die loading its libraries
         os.getcwd()
     except FileNotFoundError:

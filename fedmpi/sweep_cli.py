@@ -45,6 +45,8 @@ def sweep(sweep_file, count, cell_index, print_args, run_cell, overrides, outdir
     completed), 1 diverged or crashed, 2 bad input, 75 checkpointed on SIGUSR1/SIGTERM.
     """
     _check_options(count, cell_index, print_args, run_cell, force, quiet)
+    if run_cell is None and launcher_rank():
+        return   # listing and counting are one process's work, as every command but run's
     from . import sweep as sweeps
 
     plan = sweeps.load(sweep_file, outdir=outdir, overrides=overrides)

@@ -202,6 +202,22 @@ def test_bad_input_under_mpirun_exits_2_before_mpi_work(tmp_path):
     assert len(said) == 1 and said[0].startswith("fedmpi: run: no such option '--nope'"), said
 
 
+@pytest.mark.slow
+@needs_mpi
+def test_one_process_commands_under_mpirun_are_done_once(tmp_path):
+    """`srun fedmpi report` in a job of 3 tasks: each rank printed the report, wrote the
+    figure over the others' and listed the sweep; launcher rank 0 alone does it now."""
+    config = write_config(tmp_path / "c.toml", rounds=2)
+    out = tmp_path / "run.h5"
+    fedmpi(["run", "-q", str(config), "-o", str(out)], check=True)
+    report = mpirun(3, [sys.executable, "-m", "fedmpi", "report", str(out)], timeout=300)
+    assert report.stdout.count(f"file         {out}") == 1, report.stdout
+    plot = mpirun(3, [sys.executable, "-m", "fedmpi", "plot", str(out), "-o", str(tmp_path / "p.png")])
+    assert plot.stdout.count("wrote") == 1 and (tmp_path / "p.png").stat().st_size > 0
+    count = mpirun(3, [sys.executable, "-m", "fedmpi", "sweep", str(config), "--count"])
+    assert count.stdout == "1\n"
+
+
 @pytest.mark.parametrize("args, says", [
     (["run", "--nope"], "run: no such option '--nope'"),
     (["run", "--quite"], "run: no such option '--quite'. Did you mean '--quiet'? "

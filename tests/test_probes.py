@@ -124,6 +124,20 @@ def test_ctrl_c_during_evaluate_exits_130_and_leaves_the_file_as_it_was(single, 
 
 
 @pytest.mark.slow
+@needs_mpi
+def test_evaluate_under_mpirun_probes_once(single, tmp_path):
+    """`srun fedmpi evaluate` with more tasks than one: the ranks raced for the file's
+    lock, the losers exited 2 and took the job with them; launcher rank 0 alone probes."""
+    copy = tmp_path / "copy.h5"
+    copy.write_bytes(single.read_bytes())
+    proc = mpirun(3, [sys.executable, "-m", "fedmpi", "evaluate", str(copy), "--probe", "linear",
+                      "--set", "eval.linear_epochs=20"], check=False, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.count("linear_acc") == 1, proc.stdout + proc.stderr
+    with RunFile(copy) as run:
+        assert run.evals()["round"].tolist() == [2, 3, 3]
+
+
+@pytest.mark.slow
 def test_evaluate_holds_the_file_against_a_forced_run(single, tmp_path):
     """`fedmpi run --force` onto a file being evaluated would replace it, and the probe row
     of the old run would land in the new run's file: refused while evaluate runs."""
