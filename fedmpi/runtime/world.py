@@ -100,20 +100,16 @@ def same_software(comm) -> None:
     if comm.size == 1:
         return
     mine = software()
-    theirs = comm.gather_obj((socket.gethostname(), mine), count=False)
-    problem = None
-    if comm.is_server:
-        rank = next((r for r, (_, sw) in enumerate(theirs) if sw != mine), None)
-        if rank is not None:
-            host, sw = theirs[rank]
-            shown = "; ".join(f"{k} {sw.get(k)} there, {v} on rank 0"
-                              for k, v in mine.items() if sw.get(k) != v)
-            problem = (f"rank {rank} on {host} runs other software than rank 0 ({shown}); "
-                       f"every rank must run the same environment: is a node's install "
-                       f"stale, or another module loaded there? Nothing was run")
-    problem = comm.bcast_obj(problem)
-    if problem:
-        raise UsageError(problem)
+
+    def differs(rank, theirs):
+        host, theirs = theirs
+        shown = "; ".join(f"{k} {theirs.get(k)} there, {v} on rank 0"
+                          for k, v in mine.items() if theirs.get(k) != v)
+        return (f"rank {rank} on {host} runs other software than rank 0 ({shown}); every "
+                f"rank must run the same environment: is a node's install stale, or "
+                f"another module loaded there? Nothing was run")
+
+    _agree(comm, (socket.gethostname(), mine), differs, key=lambda value: value[1])
 
 
 def same_config(comm, config) -> None:
@@ -123,20 +119,31 @@ def same_config(comm, config) -> None:
     while a job starts, or a stale copy on one node, would have that rank train another
     model or learning rate, its buffers of another length, silently."""
     mine = json.dumps(config.to_dict(), sort_keys=True, default=str)
-    configs = comm.gather_obj(mine, count=False)
+
+    def differs(rank, theirs):
+        from ..analysis.runs import flatten   # as sweeps compare configs
+
+        here, there = flatten(json.loads(mine)), flatten(json.loads(theirs))
+        keys = sorted(k for k in here.keys() | there.keys() if here.get(k) != there.get(k))
+        shown = "; ".join(f"{k} = {there.get(k)!r} there, {here.get(k)!r} on rank 0" for k in keys[:3])
+        more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+        return (f"rank {rank} resolved another config than rank 0 ({shown}{more}); every "
+                f"rank must read the same one: was the config file edited while the "
+                f"job started? Nothing was run")
+
+    _agree(comm, mine, differs)
+
+
+def _agree(comm, mine, differs, key=lambda value: value) -> None:
+    """Every rank's ``mine`` goes to the server, which compares each ``key`` with its own;
+    for the first rank whose differs, ``differs(rank, theirs)`` is the message of the
+    UsageError that every rank then raises."""
+    values = comm.gather_obj(mine, count=False)
     problem = None
     if comm.is_server:
-        rank = next((r for r, theirs in enumerate(configs) if theirs != mine), None)
+        rank = next((r for r, value in enumerate(values) if key(value) != key(mine)), None)
         if rank is not None:
-            from ..analysis.runs import flatten   # as sweeps compare configs
-
-            here, there = flatten(json.loads(mine)), flatten(json.loads(configs[rank]))
-            keys = sorted(k for k in here.keys() | there.keys() if here.get(k) != there.get(k))
-            shown = "; ".join(f"{k} = {there.get(k)!r} there, {here.get(k)!r} on rank 0" for k in keys[:3])
-            more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
-            problem = (f"rank {rank} resolved another config than rank 0 ({shown}{more}); every "
-                       f"rank must read the same one: was the config file edited while the "
-                       f"job started? Nothing was run")
+            problem = differs(rank, values[rank])
     problem = comm.bcast_obj(problem)
     if problem:
         raise UsageError(problem)
