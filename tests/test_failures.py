@@ -227,9 +227,11 @@ def test_a_node_that_runs_other_software_stops_the_run_before_any_work(tmp_path,
     one rank, silently. Rank 2 plays that node: its own copy of a file of the install."""
     import torch.version
 
+    import fedmpi.runtime.rng
+
     config = write_config(tmp_path / "c.toml", rounds=1)
     if stale == "fedmpi":   # one line more in one module: the version number is the same
-        real = ROOT / "fedmpi" / "runtime" / "rng.py"
+        real = Path(fedmpi.runtime.rng.__file__)   # the install the ranks import
         copy = tmp_path / "rng.py"
         copy.write_text(real.read_text() + "# an older checkout\n")
         want = "fedmpi's code "
