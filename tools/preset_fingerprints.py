@@ -14,11 +14,13 @@ measure the machine and the transport, not the method), of the per-client rows, 
 the final model. `tests/test_preset_fingerprints.py` does the comparison.
 
 Bitwise equality needs the same kernels, and MKL, oneDNN and PyTorch's own vectorised
-kernels each pick theirs by the CPU's instruction set: on AVX-512 and on AVX2 machines
-the same run differs in its last bits. The worker processes therefore run with all three
-pinned to their AVX2 code paths (``PINNED``), which any x86-64 CPU of the last decade
-has, so the stored set does not depend on whether a CI machine has AVX-512 (same torch
-version and CPU build; on this project's AVX2 machines the pinned bits are the native ones).
+kernels each pick theirs by the CPU's instruction set, as does the OpenBLAS inside numpy's
+wheel (the server's float64 algebra: FedU^2's EUA weights differ in their last bits, and
+so do the round metrics that report them): on AVX-512 and on AVX2 machines the same run
+differs in its last bits. The worker processes therefore run with all four pinned to
+their AVX2 code paths (``PINNED``), which any x86-64 CPU of the last decade has, so the
+stored set does not depend on whether a CI machine has AVX-512 (same torch version and
+CPU build; on an AVX2 machine the pinned bits are the native ones).
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ from fedmpi.results import RunFile
 from fedmpi.runtime import run_experiment
 
 # MKL's conditional numerical reproducibility branch, ATen's dispatch, oneDNN's JIT
-PINNED = {"MKL_CBWR": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+PINNED = {"MKL_CBWR": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+          "OPENBLAS_CORETYPE": "Haswell"}   # numpy's OpenBLAS: its AVX2 kernels
 MACHINE_COLUMNS = ("time_", "mpi_bytes")    # measure the machine and transport, not the method
 CLIENT_MACHINE_COLUMNS = ("seconds", "rank")
 
@@ -122,7 +125,7 @@ def _digest(columns: dict) -> str:
 def all_fingerprints(processes: int = 2) -> dict[str, dict[str, str]]:
     """Every case, in ``processes`` fresh processes at once (each run uses one thread),
     whose kernels are pinned (``PINNED``): every process starts, on demand, within this
-    call, with PINNED in its environment before MKL, oneDNN or ATen choose."""
+    call, with PINNED in its environment before MKL, oneDNN, ATen or OpenBLAS choose."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
