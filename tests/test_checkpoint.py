@@ -2,6 +2,7 @@
 never interrupted, whether it stopped on a signal, was killed between checkpoints, or
 is resumed with another number of ranks; and the file never grows per checkpoint."""
 
+import json
 import os
 import signal
 import subprocess
@@ -18,6 +19,7 @@ from fedmpi import config as cfgmod
 from fedmpi.results import RunFile
 from fedmpi.results import checkpoint as ckpt
 from fedmpi.runtime import EXIT_PREEMPTED, run_experiment
+from fedmpi.runtime.system import kernels
 from fedmpi.comm import LocalComm
 from fedmpi.data import load_dataset
 from fedmpi.errors import UsageError
@@ -109,6 +111,31 @@ def test_a_resume_under_another_torch_says_so_and_records_its_versions(tmp_path,
     with RunFile(crashed) as run:
         assert run.attrs["resumes"][-1]["torch_version"] == torch.__version__
         assert run.attrs["resumes"][-1]["fedmpi_version"] == fedmpi_version
+
+
+def test_a_resume_on_other_kernels_says_so(tmp_path, capsys):
+    """Another CPU generation (AVX2 against AVX-512) or GPU model computes other last bits
+    with the same software: a job requeued onto another partition's nodes says so."""
+    ref, crashed = reference_and_crash(tmp_path)
+    with h5py.File(crashed, "r+") as f:
+        ranks = json.loads(f.attrs["ranks"])
+        assert [r["kernels"] for r in ranks] == [kernels(torch.device("cpu"))]
+        f.attrs["ranks"] = json.dumps([{**r, "kernels": "cpu AVX2-elsewhere"} for r in ranks])
+        f.attrs["torch_version"] = "1.13.0"
+    values = cfgmod.from_dict({**RunFile(crashed).config, "output": str(crashed)})
+    run_experiment(values, LocalComm(), quiet=True, resume=True)
+    assert capsys.readouterr().err == (
+        f"fedmpi: {crashed} was run under torch 1.13.0 with cpu AVX2-elsewhere kernels and "
+        f"resumes under torch {torch.__version__} with {kernels(torch.device('cpu'))} kernels: "
+        f"rounds after 4 may differ in their last bits from a run that never stopped\n")
+    with RunFile(crashed) as run:   # the resume's own, for the next one to compare with
+        assert run.attrs["resumes"][-1]["ranks"][0]["kernels"] == kernels(torch.device("cpu"))
+    # a second stop and resume on these kernels: nothing to say
+    with h5py.File(crashed, "r+") as f:
+        f.attrs["status"] = "running"
+        del f["model/final"]
+    run_experiment(values, LocalComm(), quiet=True, resume=True)
+    assert capsys.readouterr().err == ""
 
 
 def flip_byte(path, dataset: str, at: int = 5) -> None:

@@ -16,6 +16,7 @@ from fedmpi import config as cfg
 from fedmpi.comm import LocalComm
 from fedmpi.results import RunFile
 from fedmpi.runtime import run_experiment
+from fedmpi.runtime.system import kernels
 
 from conftest import ROOT, fedmpi, mpirun, mpirun_path, needs_mpi
 from helpers import TINY, merged, write_config
@@ -217,6 +218,29 @@ def test_a_node_whose_copy_of_the_data_differs_stops_the_run_before_any_work(tmp
     assert lines[0].endswith("every node must read the same files: is a node's copy stale or "
                              "incomplete? Nothing was run")
     assert "Traceback" not in proc.stderr and not (tmp_path / "stale.h5").exists()
+
+
+@needs_mpi
+def test_a_deterministic_run_over_two_kinds_of_cpu_says_so(tmp_path):
+    """A partition of two CPU generations (AVX2 and AVX-512 nodes): the same software
+    computes other last bits on each, so a deterministic run's bits depended on where each
+    client trained, silently. Rank 2 plays the older node: torch's default kernels. The
+    run goes on; rank 0 says so in one line, --quiet or not, and the file keeps each
+    rank's kernels."""
+    native = kernels(torch.device("cpu"))
+    if native == "cpu DEFAULT":
+        pytest.skip("this CPU runs torch's default kernels already")
+    config = write_config(tmp_path / "c.toml", rounds=1, system={"deterministic": True})
+    proc = _on_another_node(tmp_path, config, tmp_path / "run.h5", env="ATEN_CPU_CAPABILITY=default")
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("fedmpi:")]
+    assert lines == [f"fedmpi: warning: system.deterministic, but the ranks run different "
+                     f"kernels ({native} on ranks 0, 1; cpu DEFAULT on rank 2): a client's bits "
+                     f"depend on where it trains, and this run is not bitwise that of another "
+                     f"rank count; run on one kind of node (sbatch --constraint) for that"], proc.stderr
+    with RunFile(tmp_path / "run.h5") as run:
+        assert run.status == "completed"
+        assert [r["kernels"] for r in run.attrs["ranks"]] == [native, native, "cpu DEFAULT"]
 
 
 @needs_mpi

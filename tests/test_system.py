@@ -13,7 +13,8 @@ import torch
 from conftest import ROOT, mpirun, needs_mpi
 from fedmpi.errors import UsageError
 from fedmpi.runtime.experiment import rank_table
-from fedmpi.runtime.system import choose_device, choose_threads, local_rank_info
+from fedmpi.runtime.system import (choose_device, choose_threads, kernels, kernels_warning,
+                                  local_rank_info)
 
 LAUNCHER_VARS = ("SLURM_CPUS_PER_TASK", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_LOCALID",
                  "SLURM_NTASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE",
@@ -83,11 +84,37 @@ def test_device_choice_on_a_cpu_machine(env):
 
 
 def test_rank_table_names_roles_and_devices():
-    table = rank_table([{"rank": 0, "host": "n1", "device": "cpu", "threads": 1},
-                        {"rank": 1, "host": "n1", "device": "cuda:0", "threads": 8}])
+    table = rank_table([{"rank": 0, "host": "n1", "device": "cpu", "threads": 1, "kernels": "cpu AVX2"},
+                        {"rank": 1, "host": "n1", "device": "cuda:0", "threads": 8,
+                         "kernels": "NVIDIA H100 80GB HBM3"}])
     lines = table.splitlines()
     assert "server" in lines[1] and "worker" in lines[2] and "cuda:0" in lines[2]
-    assert "both" in rank_table([{"rank": 0, "host": "h", "device": "cpu", "threads": 2}])
+    assert lines[1].endswith("cpu AVX2") and lines[2].endswith("NVIDIA H100 80GB HBM3")
+    assert "both" in rank_table([{"rank": 0, "host": "h", "device": "cpu", "threads": 2,
+                                  "kernels": "cpu AVX2"}])
+
+
+def test_kernels_name_the_cpu_instruction_set_torch_dispatches_on():
+    assert kernels(torch.device("cpu")) == f"cpu {torch.backends.cpu.get_cpu_capability()}"
+    assert kernels(torch.device("meta")) == "meta"
+
+
+def test_kernels_warning_names_each_kind_and_its_ranks():
+    def rank(r, kind, device="cpu"):
+        return {"rank": r, "device": device, "kernels": kind}
+
+    assert kernels_warning([rank(0, "cpu AVX2"), rank(1, "cpu AVX2")]) is None
+    assert kernels_warning([rank(0, "cpu AVX2")]) is None
+    assert kernels_warning([{"rank": 0, "device": "cpu"}, rank(1, "cpu AVX2")]) is None   # not recorded
+    # a CPU server beside GPU workers of one model: the usual layout, nothing to say
+    assert kernels_warning([rank(0, "cpu AVX512"), rank(1, "NVIDIA A100", "cuda:0"),
+                            rank(2, "NVIDIA A100", "cuda:1")]) is None
+    line = kernels_warning([rank(0, "cpu AVX512"), rank(1, "cpu AVX2"), rank(2, "cpu AVX512"),
+                            rank(3, "cpu AVX2")])
+    assert "\n" not in line and line.startswith("fedmpi: warning: system.deterministic")
+    assert "(cpu AVX512 on ranks 0, 2; cpu AVX2 on ranks 1, 3)" in line
+    assert "(cpu AVX512 on rank 0; NVIDIA A100 on rank 1; NVIDIA H100 on rank 2)" in kernels_warning(
+        [rank(0, "cpu AVX512"), rank(1, "NVIDIA A100", "cuda:0"), rank(2, "NVIDIA H100", "cuda:0")])
 
 
 # ---- GPUs: one per worker, from the node's workers and what each of them sees -----------

@@ -55,7 +55,7 @@ from .runfile import create_file, resume_file
 from .scoring import evaluate
 from .state import ClientStateStore
 from .stats import update_statistics
-from .system import numerics
+from .system import kernels_warning, numerics
 from .asyncfl import MODES as ASYNC_MODES, AsyncServer
 from .compression import Compression
 from .vclock import (VirtualClock, dropped_rows, sample_available, selection_size,
@@ -105,6 +105,9 @@ class Experiment:
         if self.group > 1 and comm.is_worker:
             group_sgd.warm_up()
         self.ranks = comm.gather_obj(rank_info(comm, world), count=False)
+        warning = kernels_warning(self.ranks) if comm.is_server and cfg.system.deterministic else None
+        if warning:   # said with or without --quiet: it is about the results, not progress
+            print(warning, file=sys.stderr, flush=True)
         self.codecs = Compression(cfg, self.alg, self.d)
         measured = self._measure_step_time() if cfg.system_model.profiles != "off" and \
             cfg.system_model.measure_step_time and not self.resume else None   # a resume: the file's

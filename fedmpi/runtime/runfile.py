@@ -127,12 +127,21 @@ def resume_file(exp, dataset, ranks) -> bool:
             not np.array_equal(stored["client_indices"], exp.split.indices):
         raise UsageError(f"--resume {path}: this fedmpi computes a different client partition "
                          f"from the file's config (was the code changed?)")
-    # the torch that computed the rounds up to here (the last resume's, else the first's)
-    torches = [v for v in [attrs.get("torch_version")] + [r.get("torch_version") for r in history] if v]
+    # the torch and the kernels that computed the rounds up to here (the last resume's,
+    # else the first start's; files from before either was recorded have none)
+    starts = [attrs] + history
+    torches = [v for v in (r.get("torch_version") for r in starts) if v]
+    kinds = [kind for kind in (_kernels(r.get("ranks") or []) for r in starts) if kind]
+    changes = []   # (what computed the rounds so far, what computes them now)
     if torches and torches[-1] != torch.__version__:
-        print(f"fedmpi: {path} was run under torch {torches[-1]} and resumes under torch "
-              f"{torch.__version__}: rounds after {exp.start} may differ in their last bits "
-              f"from a run that never stopped", file=sys.stderr, flush=True)
+        changes.append((f"torch {torches[-1]}", f"torch {torch.__version__}"))
+    if kinds and kinds[-1] != _kernels(ranks):
+        changes.append((f"{kinds[-1]} kernels", f"{_kernels(ranks)} kernels"))
+    if changes:
+        was, now = (" with ".join(side) for side in zip(*changes))
+        print(f"fedmpi: {path} was run under {was} and resumes under {now}: rounds after "
+              f"{exp.start} may differ in their last bits from a run that never stopped",
+              file=sys.stderr, flush=True)
     history.append({"round": exp.start, "world_size": exp.comm.size,
                     "git_commit": git_commit(), "ranks": ranks,
                     "eval_batch_size": exp.eval_batch, "client_group": exp.group,
@@ -144,6 +153,11 @@ def resume_file(exp, dataset, ranks) -> bool:
     if damage:   # the next checkpoint goes over the damaged slot, not the intact one
         exp.writer.use_checkpoint(ckpt)
     return evaluated
+
+
+def _kernels(ranks: list[dict]) -> str:
+    """The kinds of kernels ``ranks`` ran, as one text ("" where none was recorded)."""
+    return ", ".join(sorted({r["kernels"] for r in ranks if "kernels" in r}))
 
 
 def load_checkpoint(exp, ckpt) -> None:

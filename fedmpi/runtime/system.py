@@ -190,6 +190,40 @@ def load_warning(threads: int, cores: int | None = None) -> str | None:
             f"thread(s) per worker (system.threads sets another number)")
 
 
+def kernels(device: torch.device) -> str:
+    """The kind of arithmetic this rank's training runs, which decides its last bits as
+    much as the software does: the GPU's model, or the CPU's vector instruction set as
+    torch dispatches on it ("cpu AVX512", "cpu AVX2"; ``ATEN_CPU_CAPABILITY`` may lower it;
+    MKL and oneDNN choose by the same instruction set)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "cpu":
+        return f"cpu {torch.backends.cpu.get_cpu_capability()}"
+    return device.type
+
+
+def kernels_warning(ranks: list[dict]) -> str | None:
+    """One line for stderr when a deterministic run's ranks of one device type run
+    different kernels (a partition of two CPU generations or GPU models): a client's bits
+    then depend on where it trains, and the run is not bitwise that of another rank count.
+    None otherwise (a CPU server beside GPU workers is the usual layout), and for ranks
+    recorded without their kernels."""
+    kinds: dict[str, list[int]] = {}
+    types: dict[str, set[str]] = {}
+    for r in ranks:
+        if "kernels" in r:
+            kinds.setdefault(r["kernels"], []).append(r["rank"])
+            types.setdefault(r["device"].split(":")[0], set()).add(r["kernels"])
+    if all(len(seen) < 2 for seen in types.values()):
+        return None
+    shown = "; ".join(f"{kind} on rank{'s' if len(at) > 1 else ''} {', '.join(map(str, at))}"
+                      for kind, at in kinds.items())
+    return (f"fedmpi: warning: system.deterministic, but the ranks run different kernels "
+            f"({shown}): a client's bits depend on where it trains, and this run is not "
+            f"bitwise that of another rank count; run on one kind of node (sbatch "
+            f"--constraint) for that")
+
+
 def node_workers(comm) -> list[tuple[int, str]]:
     """(rank, visible GPUs) of the workers on this rank's node, in rank order: one
     collective over every rank. Taken from MPI's shared-memory split rather than launcher

@@ -18,7 +18,8 @@ from ..models import build_model
 from .clientdata import DeviceData
 from .federation import federate
 from .rng import key_seed
-from .system import autocast_dtype, choose_device, choose_threads, node_workers, tune_malloc
+from .system import (autocast_dtype, choose_device, choose_threads, kernels, node_workers,
+                     tune_malloc)
 
 
 @dataclass
@@ -195,7 +196,8 @@ def agree(comm, step):
 
 def rank_info(comm, world: World) -> dict:
     return {"rank": comm.rank, "host": socket.gethostname(), "pid": os.getpid(),
-            "device": str(world.device), "threads": world.threads}
+            "device": str(world.device), "threads": world.threads,
+            "kernels": kernels(world.device)}
 
 
 EVAL_BATCH_CPU, EVAL_BATCH_GPU = 250, 1000
@@ -213,8 +215,9 @@ def eval_batch_size(configured: int, devices: list[str]) -> int:
 def rank_table(ranks: list[dict]) -> str:
     """Which rank runs where, on which device: printed at start (also in the file's
     ``ranks`` attribute)."""
-    lines = [f"{'rank':>4}  {'role':<6}  {'host':<20}  {'device':<8}  threads"]
+    lines = [f"{'rank':>4}  {'role':<6}  {'host':<20}  {'device':<8}  threads  kernels"]
     for r in ranks:
         role = "server" if r["rank"] == 0 and len(ranks) > 1 else ("both" if len(ranks) == 1 else "worker")
-        lines.append(f"{r['rank']:>4}  {role:<6}  {r['host'][:20]:<20}  {r['device']:<8}  {r['threads']}")
+        lines.append(f"{r['rank']:>4}  {role:<6}  {r['host'][:20]:<20}  {r['device']:<8}  "
+                     f"{r['threads']:<7}  {r['kernels']}")
     return "\n".join(lines)
