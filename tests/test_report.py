@@ -66,3 +66,29 @@ def test_summary_tolerates_sparse_config_and_failure(tmp_path):
     text = summarize(path)
     assert "failed at round 4: loss is NaN" in text
     assert "4 completed" in text and "dataset" not in text
+
+
+def test_summary_names_the_ranks_and_the_kernels_they_ran(tmp_path):
+    """The kernels decide the last bits: a run on two kinds of CPU, and a resume onto
+    another, show in the report; a file from before the rank table kept them shows the
+    ranks alone."""
+    def ranks(*kinds):
+        return [{"rank": r, "host": "node1" if r < 2 else "node2", "device": "cpu", "threads": 1,
+                 **({"kernels": kind} if kind else {})} for r, kind in enumerate(kinds)]
+
+    def ranks_line(provenance):
+        path = tmp_path / f"{len(list(tmp_path.iterdir()))}.h5"
+        with ResultsWriter.create(path, config=CONFIG, provenance=provenance, round_fields=list(ROUND_FIELDS),
+                                  client_fields=list(CLIENT_FIELDS), layout=[], partition={}) as writer:
+            writer.set_status("completed")
+        return [line for line in summarize(path).splitlines() if line.startswith("ranks")]
+
+    assert ranks_line({"ranks": ranks("cpu AVX512")}) == ["ranks        1 on node1 (server and worker); cpu AVX512"]
+    assert ranks_line({"ranks": ranks("cpu AVX512", "cpu AVX512", "cpu AVX2")}) == [
+        "ranks        3 on node1, node2 (1 server, 2 workers); cpu AVX512 (ranks 0, 1), cpu AVX2 (rank 2)"]
+    assert ranks_line({"ranks": ranks("cpu AVX2", "cpu AVX2"),
+                       "resumes": [{"round": 4, "ranks": ranks("cpu AVX2", "cpu AVX2")},
+                                   {"round": 6, "ranks": ranks("cpu AVX512")}]}) == [
+        "ranks        2 on node1 (1 server, 1 worker); cpu AVX2; from round 6 on cpu AVX512"]
+    assert ranks_line({"ranks": ranks(None, None)}) == ["ranks        2 on node1 (1 server, 1 worker)"]
+    assert ranks_line({}) == []

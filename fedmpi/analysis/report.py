@@ -26,7 +26,7 @@ from fedmpi.analysis.runs import get_key
 from fedmpi.analysis.tables import group_keys, group_table
 from fedmpi.analysis.watch import duration, file_age
 from fedmpi.errors import UsageError
-from fedmpi.results import liveness, open_run
+from fedmpi.results import liveness, open_run, schema
 
 _WIDTH = 13  # label column
 _MB = 1e6  # MB here means 10^6 bytes, as network traffic is usually quoted
@@ -43,6 +43,7 @@ def summarize(path) -> str:
     lines.append(("rounds", _progress(rounds, config)))
     lines += _accuracy(rounds)
     lines += _traffic(rounds)
+    lines += _ranks(attrs)
     lines += _timing(rounds)
     lines += _virtual(rounds)
     lines += _probes(evals)
@@ -163,6 +164,36 @@ def _traffic(rounds: dict) -> list[tuple[str, str]]:
     if mpi is not None:
         lines.append(("MPI traffic", f"{_mb(mpi)} ({mpi} bytes)"))
     return lines
+
+
+def _ranks(attrs: dict) -> list[tuple[str, str]]:
+    """Where the run ran: its ranks, their hosts and the kernels they ran, which decide
+    the last bits (two runs agree bit for bit only on the same ones); a resume on other
+    kernels is named with its round. Nothing for a file without its rank table."""
+    ranks = attrs.get("ranks")
+    if not isinstance(ranks, list) or not ranks:
+        return []
+    hosts = sorted({str(r.get("host")) for r in ranks})
+    workers = len(ranks) - 1
+    roles = "server and worker" if not workers else f"1 server, {workers} worker{'s' if workers > 1 else ''}"
+    text = (f"{len(ranks)} on {', '.join(hosts[:3])}{' and more' if len(hosts) > 3 else ''} "
+            f"({roles})")
+    kinds = _kernels(ranks)
+    text += f"; {kinds}" if kinds else ""
+    for resume in attrs.get("resumes") or []:
+        again = _kernels(resume.get("ranks") or [])
+        if again and again != kinds:
+            text, kinds = text + f"; from round {resume.get('round')} on {again}", again
+    return [("ranks", text)]
+
+
+def _kernels(ranks: list[dict]) -> str:
+    """"cpu AVX512", or each kind with its ranks where they differ."""
+    kinds = schema.kernels_by_kind(ranks)
+    if len(kinds) < 2:
+        return next(iter(kinds), "")
+    return ", ".join(f"{kind} (rank{'s' if len(at) > 1 else ''} {', '.join(map(str, at))})"
+                     for kind, at in kinds.items())
 
 
 def _mb(n_bytes: int) -> str:

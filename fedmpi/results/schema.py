@@ -88,3 +88,14 @@ def units_of(field: str) -> str | None:
     if field.endswith("_acc"):
         return "fraction"
     return None
+
+
+def kernels_by_kind(ranks: list[dict]) -> dict[str, list[int]]:
+    """A rank table's (the ``ranks`` provenance attr, or a resume's) ranks by the kind of
+    kernels each ran (``kernels``: "cpu AVX512", a GPU's model), in rank order; ranks
+    recorded without it (files from before it) are left out."""
+    kinds: dict[str, list[int]] = {}
+    for r in ranks:
+        if "kernels" in r:
+            kinds.setdefault(r["kernels"], []).append(r["rank"])
+    return kinds

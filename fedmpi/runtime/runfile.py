@@ -14,7 +14,7 @@ import torch
 
 from .. import __version__
 from ..errors import UsageError
-from ..results import ResultsWriter, RunFile, checkpoint, liveness
+from ..results import ResultsWriter, RunFile, checkpoint, liveness, schema
 from ..results.lock import RunLock
 from ..results.writer import recover_crashed
 from . import asyncfl, vclock
@@ -157,7 +157,7 @@ def resume_file(exp, dataset, ranks) -> bool:
 
 def _kernels(ranks: list[dict]) -> str:
     """The kinds of kernels ``ranks`` ran, as one text ("" where none was recorded)."""
-    return ", ".join(sorted({r["kernels"] for r in ranks if "kernels" in r}))
+    return ", ".join(sorted(schema.kernels_by_kind(ranks)))
 
 
 def load_checkpoint(exp, ckpt) -> None:

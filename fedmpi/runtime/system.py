@@ -10,6 +10,7 @@ from contextlib import contextmanager
 import torch
 
 from ..errors import UsageError
+from ..results import schema
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
@@ -208,14 +209,13 @@ def kernels_warning(ranks: list[dict]) -> str | None:
     then depend on where it trains, and the run is not bitwise that of another rank count.
     None otherwise (a CPU server beside GPU workers is the usual layout), and for ranks
     recorded without their kernels."""
-    kinds: dict[str, list[int]] = {}
     types: dict[str, set[str]] = {}
     for r in ranks:
         if "kernels" in r:
-            kinds.setdefault(r["kernels"], []).append(r["rank"])
             types.setdefault(r["device"].split(":")[0], set()).add(r["kernels"])
     if all(len(seen) < 2 for seen in types.values()):
         return None
+    kinds = schema.kernels_by_kind(ranks)
     shown = "; ".join(f"{kind} on rank{'s' if len(at) > 1 else ''} {', '.join(map(str, at))}"
                       for kind, at in kinds.items())
     return (f"fedmpi: warning: system.deterministic, but the ranks run different kernels "
