@@ -136,6 +136,17 @@ def test_a_resume_on_other_kernels_says_so(tmp_path, capsys):
         del f["model/final"]
     run_experiment(values, LocalComm(), quiet=True, resume=True)
     assert capsys.readouterr().err == ""
+    # a file from before the kernels were recorded: nothing to compare with, nothing said
+    old = tmp_path / "old.h5"
+    old.write_bytes(crashed.read_bytes())
+    with h5py.File(old, "r+") as f:
+        f.attrs["status"] = "running"
+        del f["model/final"]
+        f.attrs["ranks"] = json.dumps([{k: v for k, v in r.items() if k != "kernels"} for r in ranks])
+        f.attrs["resumes"], f.attrs["torch_version"] = "[]", str(torch.__version__)
+    run_experiment(cfgmod.from_dict({**values.to_dict(), "output": str(old)}), LocalComm(),
+                   quiet=True, resume=True)
+    assert capsys.readouterr().err == ""
 
 
 def flip_byte(path, dataset: str, at: int = 5) -> None:
