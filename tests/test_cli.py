@@ -63,9 +63,10 @@ def test_a_closed_stdout_does_not_stop_the_run(tmp_path, stdout):
     assert proc.wait(timeout=300) == 0, err
     with RunFile(out) as run:
         assert run.status == "completed" and run.rounds()["round"][-1] == 40
-    if stdout == "full-disk":
-        assert err == (f"fedmpi: stdout cannot be written (no space left on device); the run "
-                       f"goes on without progress lines; follow it with: fedmpi watch {out}\n")
+    if stdout == "full-disk":   # a busy node adds its load warning (tests/test_threads.py)
+        said = [line for line in err.splitlines() if not line.startswith("fedmpi: warning: load average")]
+        assert said == [f"fedmpi: stdout cannot be written (no space left on device); the run "
+                        f"goes on without progress lines; follow it with: fedmpi watch {out}"], err
 
 
 def test_a_stream_whose_reader_is_gone_takes_every_later_write(capsys):
