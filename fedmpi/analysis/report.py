@@ -192,8 +192,7 @@ def _kernels(ranks: list[dict]) -> str:
     kinds = schema.kernels_by_kind(ranks)
     if len(kinds) < 2:
         return next(iter(kinds), "")
-    return ", ".join(f"{kind} (rank{'s' if len(at) > 1 else ''} {', '.join(map(str, at))})"
-                     for kind, at in kinds.items())
+    return ", ".join(f"{kind} ({schema.ranks_text(at)})" for kind, at in kinds.items())
 
 
 def _mb(n_bytes: int) -> str:

@@ -99,3 +99,8 @@ def kernels_by_kind(ranks: list[dict]) -> dict[str, list[int]]:
         if "kernels" in r:
             kinds.setdefault(r["kernels"], []).append(r["rank"])
     return kinds
+
+
+def ranks_text(ranks: list[int]) -> str:
+    """"rank 2", "ranks 0, 1": the ranks of one kind, as the warning and the report name them."""
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"

@@ -216,8 +216,7 @@ def kernels_warning(ranks: list[dict]) -> str | None:
     if all(len(seen) < 2 for seen in types.values()):
         return None
     kinds = schema.kernels_by_kind(ranks)
-    shown = "; ".join(f"{kind} on rank{'s' if len(at) > 1 else ''} {', '.join(map(str, at))}"
-                      for kind, at in kinds.items())
+    shown = "; ".join(f"{kind} on {schema.ranks_text(at)}" for kind, at in kinds.items())
     return (f"fedmpi: warning: system.deterministic, but the ranks run different kernels "
             f"({shown}): a client's bits depend on where it trains, and this run is not "
             f"bitwise that of another rank count; run on one kind of node (sbatch "
