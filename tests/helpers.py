@@ -1,4 +1,9 @@
-"""Small configs shared by the runtime, MPI and CLI tests."""
+"""Small configs shared by the runtime, MPI and CLI tests.
+
+They train on the CPU wherever the suite runs: their tests compare bits of runs that are
+bitwise the same only on the CPU (a GPU's kernels are so only in deterministic mode) and
+name the CPU's kernels; what a GPU does is tested in tests/test_cuda.py, which sets the
+device itself."""
 
 from pathlib import Path
 
@@ -13,6 +18,7 @@ TINY = {
     "algorithm": {"name": "fedavg"},
     "train": {"local_epochs": 1, "batch_size": 16, "lr": 0.05},
     "eval": {"every": 1, "batch_size": 64},
+    "system": {"device": "cpu"},
 }
 
 # A self-supervised run in seconds: heads small enough for a 16x16 synthetic set; clients
@@ -25,7 +31,7 @@ SSL = {
     "model": {"name": "cnn", "hidden": 32, "channels": [4, 8]},
     "algorithm": {"name": "fedbyol", "proj_dim": 16, "proj_hidden": 32, "pred_hidden": 16},
     "train": {"batch_size": 64, "lr": 0.05},
-    "system": {"deterministic": True},
+    "system": {"deterministic": True, "device": "cpu"},
 }
 
 

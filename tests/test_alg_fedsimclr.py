@@ -25,7 +25,7 @@ SSL = {
     "model": {"name": "cnn", "hidden": 32, "channels": [4, 8]},
     "algorithm": {"name": "fedsimclr", "proj_dim": 16, "proj_hidden": 32},
     "train": {"batch_size": 64, "lr": 0.05},
-    "system": {"deterministic": True},
+    "system": {"deterministic": True, "device": "cpu"},
 }
 
 

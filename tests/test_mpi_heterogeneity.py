@@ -49,7 +49,7 @@ def test_shakespeare_natural_clients_with_the_lstm(tmp_path):
                    "partition": {"kind": "natural"}, "clients": {"num": 40, "per_round": 4},
                    "model": {"name": "lstm", "hidden": 32}, "algorithm": {"name": "fedacg"},
                    "train": {"batch_size": 20, "lr": 1.0}, "eval": {"batch_size": 250},
-                   "system": {"deterministic": True}}
+                   "system": {"deterministic": True, "device": "cpu"}}
     three = mpirun_configs(3, {"shakespeare": shakespeare}, tmp_path)
     with run_single(shakespeare, tmp_path / "single.h5") as a, RunFile(three["shakespeare"]) as b:
         assert b.status == "completed" and np.array_equal(a.model(), b.model())

@@ -88,7 +88,7 @@ def launch(tmp_path, env=None):
     script.write_text(SCRIPT)
     config = {"name": "ns", "seed": 3, "rounds": 1, "data": {"dataset": "synthetic", **SIZES},
               "clients": {"num": 4, "per_round": 2}, "model": {"name": "2nn"},
-              "algorithm": {"name": "fedavg"}}
+              "algorithm": {"name": "fedavg"}, "system": {"device": "cpu"}}
     proc = mpirun(3, [sys.executable, str(script), json.dumps(SIZES), json.dumps(config)],
                   timeout=120, env=env)
     return json.loads(proc.stdout.strip().splitlines()[-1])

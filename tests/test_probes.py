@@ -35,7 +35,7 @@ PROBED = {
     "eval": {"every": 3, "probes": ["linear", "finetune", "spectrum"], "probe_every": 2,
              "linear_epochs": 200, "finetune_epochs": 2, "finetune_fractions": [0.05, 0.25],
              "local_spectra": True},
-    "system": {"deterministic": True},
+    "system": {"deterministic": True, "device": "cpu"},
 }
 COLUMNS = ["round", "linear_acc", "finetune_5pct_acc", "finetune_25pct_acc", "effective_rank",
            "seconds"]

@@ -56,7 +56,8 @@ def small(preset: str) -> list[str]:
     """Overrides that shrink a preset to seconds while keeping what makes it that preset."""
     values = cfgmod.load_preset(preset)
     image = values.get("model", {}).get("name", "cnn") != "lstm"
-    overrides = ["rounds=2", "system.deterministic=true", "system.threads=1",
+    # on the CPU wherever it runs: the stored bits are the CPU's (a GPU has its own)
+    overrides = ['system.device="cpu"', "rounds=2", "system.deterministic=true", "system.threads=1",
                  "clients.num=6", "clients.per_round=3", "train.local_epochs=1",
                  "train.batch_size=16", "eval.every=1", "eval.probes=[]",
                  "eval.batch_size=64", "system.checkpoint_every=1"]
