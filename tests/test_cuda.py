@@ -1,0 +1,157 @@
+"""What only a GPU shows, run where torch finds CUDA (CI has none: there they are skipped;
+``FEDMPI_TEST_DEVICE=cpu`` runs the same checks on the CPU, to test the tests).
+
+On the GPU: client groups give each client what the sequential path gives it, for every
+method with a group form; a run follows the same run on the CPU and names the GPU's model
+as its kernels; deterministic runs are bitwise the same for 1, 2 and 3 ranks (the server
+on the CPU, two workers sharing the GPU with the dataset held once per node); a grouped
+run follows the sequential one; bf16 and tf32 train; a deterministic run resumes to the
+bits of the run that never stopped."""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from fedmpi import algorithms
+from fedmpi import config as cfg
+from fedmpi.algorithms import ClientTask
+from fedmpi.comm import LocalComm
+from fedmpi.flat import FlatModel
+from fedmpi.models import build_model
+from fedmpi.results import RunFile
+from fedmpi.runtime import run_experiment
+from fedmpi.runtime.system import kernels, numerics
+
+from conftest import fedmpi, mpirun, needs_mpi
+from helpers import TINY, merged, run_and_resume, write_config
+from test_client_groups import (GROUPED, Samples, assert_same_uploads, clients, context,
+                                payload_of, state_of)
+
+DEVICE = torch.device(os.environ.get("FEDMPI_TEST_DEVICE", "cuda"))
+pytestmark = pytest.mark.skipif(DEVICE.type == "cuda" and not torch.cuda.is_available(),
+                                reason="no CUDA device (FEDMPI_TEST_DEVICE=cpu runs these on "
+                                       "the CPU)")
+# the GPU run against the CPU run of the same config: the same arithmetic in other kernels
+# (cuDNN, cuBLAS), a few ulps per step, grown over two rounds of a small CNN
+ACROSS_DEVICES = dict(rtol=1e-3, atol=1e-4)
+
+
+def run_tiny(tmp_path, name, device=DEVICE.type, **over):
+    values = merged(TINY, **over)
+    values["system"] = {"device": device, **over.get("system", {})}
+    values["output"] = str(tmp_path / f"{name}.h5")
+    c = cfg.from_dict(values)
+    run_experiment(c, LocalComm(), quiet=True)
+    return RunFile(c.output_path())
+
+
+@pytest.mark.parametrize("name", GROUPED)
+def test_group_form_equals_the_sequential_local_update_on_the_device(name):
+    """The batched kernels of a group on the GPU (vmap over the clients' parameters)
+    against one client at a time on the GPU, in FP32 (TF32 off, as a run sets it)."""
+    alg = algorithms.build(name, {})
+    ctx = context(clip_norm=1.0)
+    torch.manual_seed(0)
+    flat = FlatModel(build_model("cnn", 1, 4, 16, hidden=16, channels=[3, 4]), DEVICE)
+    data = [Samples(s.x.to(DEVICE), s.y.to(DEVICE), s.key) for s in clients((9, 9, 6, 3))]
+    tasks = [ClientTask(client=i, data=d, model=flat, device=DEVICE) for i, d in enumerate(data)]
+    payload = payload_of(alg, flat, ctx)
+    states = [{k: v.to(DEVICE) for k, v in state_of(alg, flat.size, i).items()} or None
+              for i in range(len(tasks))]
+    with numerics(DEVICE, "fp32", deterministic=False):
+        one = [alg.local_update(t, payload, s, ctx) for t, s in zip(tasks, states)]
+        group = alg.local_update_group(tasks, payload, states, ctx)
+    assert group[0].delta.device.type == DEVICE.type
+    assert_same_uploads(alg, one, group)
+
+
+def test_a_run_on_the_device_follows_the_cpu_run_and_names_its_kernels(tmp_path):
+    with run_tiny(tmp_path, "cpu", device="cpu", rounds=2) as cpu, \
+            run_tiny(tmp_path, "gpu", rounds=2) as gpu:
+        np.testing.assert_allclose(gpu.model(), cpu.model(), **ACROSS_DEVICES)
+        a, b = cpu.clients(), gpu.clients()
+        for column in ("client", "steps", "n_samples", "bytes_up", "bytes_down"):
+            assert np.array_equal(a[column], b[column])
+        np.testing.assert_allclose(b["train_loss"], a["train_loss"], rtol=1e-3)
+        (rank,) = gpu.attrs["ranks"]
+        assert rank["device"].split(":")[0] == DEVICE.type
+        assert rank["kernels"] == kernels(DEVICE)
+        if DEVICE.type == "cuda":
+            assert rank["kernels"] == torch.cuda.get_device_name(0)
+
+
+def test_auto_groups_train_the_cnn_on_the_device(tmp_path):
+    """On a CPU "auto" leaves convolutions sequential (slower in groups there); on a GPU,
+    where a small client's step leaves the device idle, it groups them."""
+    with run_tiny(tmp_path, "auto", rounds=1, system={"client_group": "auto"}) as run:
+        expected = TINY["clients"]["per_round"] if DEVICE.type == "cuda" else 1
+        assert run.attrs["client_group"] == expected
+
+
+def test_a_grouped_run_on_the_device_follows_the_sequential_run(tmp_path):
+    """SCAFFOLD: control variates through the client-state store, staged to the GPU on a
+    side stream, in groups of 3."""
+    one = run_tiny(tmp_path, "one", algorithm={"name": "scaffold"})
+    grouped = run_tiny(tmp_path, "grouped", algorithm={"name": "scaffold"},
+                       system={"client_group": 3})
+    with one, grouped:
+        np.testing.assert_allclose(grouped.model(), one.model(), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(grouped.clients()["train_loss"], one.clients()["train_loss"],
+                                   rtol=1e-4)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "tf32"])
+def test_reduced_precisions_train_on_the_device(tmp_path, precision):
+    if DEVICE.type == "cpu" and precision == "bf16":
+        pytest.skip("bf16 on the CPU needs AVX512-BF16 or AMX; tests/test_system.py covers it")
+    train = {"local_epochs": 3, "lr": 0.1}   # TINY's loss then falls 2.08 -> 1.84 in FP32
+    with run_tiny(tmp_path, precision, train=train, system={"precision": precision}) as run, \
+            run_tiny(tmp_path, "fp32", train=train) as fp32:
+        loss, reference = run.rounds()["train_loss"], fp32.rounds()["train_loss"]
+        assert np.isfinite(run.model()).all()
+        assert loss[-1] < loss[1] - 0.1
+        np.testing.assert_allclose(loss[1:], reference[1:], atol=0.05)
+
+
+@pytest.mark.slow
+@needs_mpi
+def test_deterministic_runs_on_the_device_are_bitwise_the_same_for_1_2_and_3_ranks(tmp_path):
+    """One process (server and worker on the GPU), a CPU server with one GPU worker, and
+    a CPU server with two workers sharing the GPU (the dataset once per node): FedDyn in
+    groups of 2, client state on the server, the same bits."""
+    config = write_config(tmp_path / "d.toml", rounds=2, algorithm={"name": "feddyn"},
+                          system={"device": DEVICE.type, "gpu_share": True,
+                                  "deterministic": True, "client_group": 2})
+    models, ranks = [], []
+    for n in (1, 2, 3):
+        out = tmp_path / f"n{n}.h5"
+        args = ["run", "-q", str(config), "-o", str(out)]
+        if n == 1:
+            fedmpi(args, check=True)
+        else:
+            mpirun(n, [sys.executable, "-m", "fedmpi"] + args)
+        with RunFile(out) as run:
+            models.append(run.model())
+            ranks.append(run.attrs["ranks"])
+    assert np.array_equal(models[0], models[1]) and np.array_equal(models[0], models[2])
+    workers = [r for r in ranks[2] if r["rank"] > 0]
+    assert [r["device"].split(":")[0] for r in workers] == [DEVICE.type] * 2
+    assert ranks[2][0]["device"] == "cpu"
+
+
+def test_a_deterministic_run_on_the_device_resumes_to_the_uninterrupted_bits(tmp_path):
+    """Augmentation draws on the GPU, keyed per client, and SCAFFOLD's control variates
+    come back from the checkpoint: a run that died after round 4 resumes from its round-2
+    checkpoint to the same model."""
+    values = merged(TINY, rounds=4, data={"augment": True},
+                    algorithm={"name": "scaffold"},
+                    system={"device": DEVICE.type, "deterministic": True,
+                            "checkpoint_every": 2})
+    crashed, exp = run_and_resume(values, tmp_path)
+    assert exp.start == 2
+    with RunFile(tmp_path / "ref.h5") as a, RunFile(crashed) as b:
+        assert np.array_equal(a.model(), b.model())
+        assert np.array_equal(a.rounds()["test_acc"], b.rounds()["test_acc"], equal_nan=True)
