@@ -22,6 +22,11 @@ path (targets on a 2-core CPU: >= 2x for the 2NN,
     python benchmarks/cross_device.py --model 2nn --epochs 1
     python benchmarks/cross_device.py --model cnn --epochs 5 --rounds 3 --group 10
     python benchmarks/cross_device.py --model 2nn --rounds 100 --variants seq groups   # accuracy curve
+
+``--device cuda`` runs every variant on the GPU (the bare loop too; the ``-n3`` variants
+then put both workers on it, ``system.gpu_share``), where "auto" groups the CNN as well:
+
+    python benchmarks/cross_device.py --device cuda --model cnn --variants bare seq groups
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ from fedmpi.results import RunFile  # noqa: E402
 VARIANTS = ("bare", "seq", "groups", "seq-n3", "groups-n3")
 
 
-def workload(model: str, epochs: int, rounds: int) -> dict:
+def workload(model: str, epochs: int, rounds: int, device: str = "cpu") -> dict:
     return {
         "name": "w2", "seed": 0, "rounds": rounds,
         "data": {"dataset": "fashion_mnist"},
@@ -54,6 +59,7 @@ def workload(model: str, epochs: int, rounds: int) -> dict:
         "algorithm": {"name": "fedavg"},
         "train": {"local_epochs": epochs, "batch_size": 10, "lr": 0.05, "clip_norm": 0.0},
         "eval": {"every": 100000, "at_start": False},   # scored once, after the last round
+        "system": {"device": device, "gpu_share": device != "cpu"},
     }
 
 
@@ -64,7 +70,7 @@ def measure(variant: str, values: dict, tmp: Path, group) -> dict:
         result = json.loads(proc.stdout.strip().splitlines()[-1])
         return {"round": statistics.median(result["rounds"]), "acc": result["acc"]}
     values = json.loads(json.dumps(values))
-    values["system"] = {"client_group": group if variant.startswith("groups") else 1}
+    values["system"]["client_group"] = group if variant.startswith("groups") else 1
     path = tmp / f"{variant}.toml"
     path.write_text(cfgmod.to_toml(values))
     ranks = 3 if variant.endswith("-n3") else None
@@ -86,8 +92,9 @@ def main() -> None:
     ap.add_argument("--group", type=lambda v: v if v == "auto" else int(v), default="auto",
                     help='system.client_group of the groups variants (default "auto", which '
                          'is 1 for the CNN on a CPU)')
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = ap.parse_args()
-    values = workload(args.model, args.epochs, args.rounds)
+    values = workload(args.model, args.epochs, args.rounds, args.device)
     walls: dict[str, list[float]] = {v: [] for v in args.variants}
     accs: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="fedmpi-w2-") as tmp:
@@ -100,8 +107,8 @@ def main() -> None:
                       f"acc {result['acc']:.4f}", flush=True)
     med = {v: statistics.median(w) for v, w in walls.items()}
     print(f"\nW2: Fashion-MNIST, 1000 clients Dir(0.3), 50/round, B=10, E={args.epochs}, "
-          f"{args.model}, FedAvg, {args.rounds} rounds, groups: client_group = {args.group}; "
-          f"medians of {args.repeat}")
+          f"{args.model}, FedAvg, {args.rounds} rounds, groups: client_group = {args.group}, "
+          f"on {args.device}; medians of {args.repeat}")
     for v in args.variants:
         print(f"  {v:<10} {med[v]:7.3f} s/round   final acc {accs[v]:.4f}")
     for a, b in (("seq", "groups"), ("seq-n3", "groups-n3"), ("bare", "groups")):

@@ -19,8 +19,17 @@ Variants, each timed over the 20 rounds (setup excluded), in the same run:
 
 Targets: fedmpi / bare <= 0.85; mpirun / limit <= 1.05.
 
+On a GPU (``--device cuda``) the workload is W1's GPU form: ResNet-18 with GroupNorm
+(11.2M parameters) on CIFAR-shaped data (the synthetic set at 3x32x32: 20,000 training
+and 2,000 test images, which it makes in seconds; 50,000 take it 15 s per process),
+otherwise the same. The variants are then the bare loop on the
+GPU (FP32: TF32 off, as fedmpi's default ``system.precision``), ``fedmpi run`` in one
+process, and ``mpirun -n 2`` (a CPU server and one GPU worker) when mpirun is there;
+the 2-process limit is a CPU notion and is left out.
+
     python benchmarks/overhead.py                 # full workload, 2 repetitions
     python benchmarks/overhead.py --rounds 5 --repeat 1  # quick look
+    python benchmarks/overhead.py --device cuda --rounds 5 --repeat 1
 """
 
 from __future__ import annotations
@@ -61,16 +70,40 @@ WORKLOAD = {
 }
 
 
-def workload(rounds: int) -> dict:
+# W1 on a GPU: the same federation with ResNet-18-GN on CIFAR-shaped data
+GPU_WORKLOAD = {
+    "data": {"dataset": "synthetic", "num_train": 20000, "num_test": 2000, "channels": 3,
+             "size": 32},
+    "model": {"name": "resnet18"},
+}
+
+
+def workload(rounds: int, device: str = "cpu") -> dict:
     values = json.loads(json.dumps(WORKLOAD))
     values["rounds"] = rounds
+    if device != "cpu":
+        values.update(json.loads(json.dumps(GPU_WORKLOAD)))
+    values["system"] = {"device": device}
     return values
+
+
+def bench_device(c) -> torch.device:
+    """The config's system.device for a loop outside fedmpi ("auto": the GPU if any)."""
+    name = c.system.device
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def setup(values):
     """Data, partition and the initial model exactly as the fedmpi runtime builds them."""
     c = cfgmod.from_dict(values)
-    data = load_dataset(c.data.dataset, seed=c.seed)
+    data = load_dataset(c.data.dataset, c.data.data_dir, seed=c.seed, **c.data.options)
     part = make_partition(c.partition.kind, data.train_y.numpy(), c.clients.num, c.seed,
                           **c.partition.params)
     torch.manual_seed(key_seed(c.seed, "init"))
@@ -94,14 +127,25 @@ def batches(c, part, t, client, n_epochs=1):
 def run_bare(values) -> dict:
     """The bare loop over the config's rounds: its model, E epochs, its round lr, clipping
     when clip_norm > 0. Returns the wall time (training and the final scoring), each
-    round's seconds, the accuracy and the final parameters."""
+    round's seconds, the accuracy and the final parameters. On a GPU (system.device) the
+    model and the normalised dataset live there, in FP32 (TF32 off, as fedmpi's default)."""
+    from fedmpi.runtime.system import numerics
+
     torch.set_num_threads(2)
     tune_malloc()
     c, data, part, model = setup(values)
-    x_all = to_float(data.train_x, data.mean, data.std)   # normalised once, as a bare loop does
-    y_all = data.train_y
+    device = bench_device(c)
+    with numerics(device, "fp32", deterministic=False):
+        return _bare_rounds(c, data, part, model.to(device), device)
+
+
+def _bare_rounds(c, data, part, model, device) -> dict:
+    # normalised once, as a bare loop does
+    x_all = to_float(data.train_x, data.mean, data.std).to(device)
+    y_all = data.train_y.to(device)
     global_state = {k: v.clone() for k, v in model.state_dict().items()}
     sizes = part.sizes
+    synchronize(device)
     t0, rounds = time.perf_counter(), []
     for t in range(c.rounds):
         start = time.perf_counter()
@@ -113,6 +157,7 @@ def run_bare(values) -> dict:
             opt = torch.optim.SGD(model.parameters(), lr=round_lr(c.train, t, c.rounds))
             model.train()
             for b in batches(c, part, t, client, c.train.local_epochs):
+                b = b.to(device)
                 opt.zero_grad()
                 F.cross_entropy(model(x_all[b]), y_all[b]).backward()
                 if c.train.clip_norm > 0:
@@ -121,21 +166,22 @@ def run_bare(values) -> dict:
             for k, v in model.state_dict().items():
                 total[k] += v * (sizes[client] / weight)
         global_state = total
+        synchronize(device)
         rounds.append(time.perf_counter() - start)
     model.load_state_dict(global_state)
-    acc = _accuracy(model, data)
+    acc = _accuracy(model, data, device)
     wall = time.perf_counter() - t0
-    params = torch.cat([v.reshape(-1) for v in global_state.values()])
+    params = torch.cat([v.reshape(-1) for v in global_state.values()]).cpu()
     return {"wall": wall, "rounds": rounds, "acc": acc, "params": params.tolist()}
 
 
 @torch.no_grad()
-def _accuracy(model, data, batch_size=1000) -> float:
+def _accuracy(model, data, device, batch_size=1000) -> float:
     model.eval()
     correct = 0
     for s in range(0, len(data.test_y), batch_size):
-        x = to_float(data.test_x[s:s + batch_size], data.mean, data.std)
-        correct += int((model(x).argmax(1) == data.test_y[s:s + batch_size]).sum())
+        x = to_float(data.test_x[s:s + batch_size], data.mean, data.std).to(device)
+        correct += int((model(x).argmax(1).cpu() == data.test_y[s:s + batch_size]).sum())
     return correct / len(data.test_y)
 
 
@@ -232,6 +278,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--only-mpi", action="store_true",
                     help="time only the comm-free limit and mpirun (the MPI-overhead ratio)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: W1's GPU form (ResNet-18-GN, CIFAR-shaped data) on the GPU")
     ap.add_argument("--bare", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--half", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--values", help=argparse.SUPPRESS)
@@ -242,9 +290,9 @@ def main() -> None:
     if args.half is not None:
         print(json.dumps(run_half(json.loads(args.values), args.half, 2)))
         return
-    values = workload(args.rounds)
+    values = workload(args.rounds, args.device)
     with tempfile.TemporaryDirectory(prefix="fedmpi-bench-") as tmp:
-        measure(args, values, Path(tmp))
+        (measure_gpu if args.device == "cuda" else measure)(args, values, Path(tmp))
 
 
 def measure(args, values, tmp: Path) -> None:
@@ -274,6 +322,39 @@ def measure(args, values, tmp: Path) -> None:
         print(f"  fedmpi (1 process) / bare loop      = {med['fedmpi'] / med['bare']:.3f}   (target <= 0.85)")
         print(f"  comm-free limit / fedmpi 1 process   = {med['limit'] / med['fedmpi']:.3f}")
     print(f"  mpirun -n 3 / comm-free 2-proc limit = {med['mpirun'] / med['limit']:.3f}   (target <= 1.05)")
+
+
+def measure_gpu(args, values, tmp: Path) -> None:
+    """W1 on a GPU: the bare loop, fedmpi in one process and, with mpirun, a CPU server
+    and one GPU worker, timed over the same rounds."""
+    from fedmpi.runtime.system import kernels
+
+    config_path = tmp / "bench.toml"
+    config_path.write_text(cfgmod.to_toml(values))
+    have_mpirun = (Path(sys.executable).parent / "mpirun").exists()
+    times = {"bare": [], "fedmpi": []} | ({"mpirun": []} if have_mpirun else {})
+    for rep in range(args.repeat):
+        bare = time_bare(values)
+        single = time_fedmpi(config_path, tmp / "single.h5", None)
+        diff = float(np.max(np.abs(np.asarray(bare["params"]) - single["params"])))
+        times["bare"].append(bare["wall"])
+        times["fedmpi"].append(single["wall"])
+        line = (f"rep {rep + 1}: bare {bare['wall']:.2f} s (acc {bare['acc']:.4f})  fedmpi "
+                f"{single['wall']:.2f} s (acc {single['acc']:.4f})  max |bare - fedmpi| "
+                f"param diff {diff:.2e}")
+        if have_mpirun:
+            multi = time_fedmpi(config_path, tmp / "mpi.h5", 2)
+            times["mpirun"].append(multi["wall"])
+            line += f"  mpirun -n 2 {multi['wall']:.2f} s (acc {multi['acc']:.4f})"
+        print(line, flush=True)
+    med = {k: statistics.median(v) for k, v in times.items() if v}
+    print(f"\nworkload: {args.rounds} rounds, 100 clients Dir(0.3), 10/round, E=1, B=50, "
+          f"ResNet-18-GN 11.2M params, synthetic 3x32x32 (20,000 train), FP32, on "
+          f"{kernels(bench_device(cfgmod.from_dict(values)))}; medians of {args.repeat}")
+    print(f"  bare loop                       {med['bare']:.2f} s")
+    print(f"  fedmpi (1 process) / bare loop  = {med['fedmpi'] / med['bare']:.3f}")
+    if "mpirun" in med:
+        print(f"  mpirun -n 2 / fedmpi 1 process  = {med['mpirun'] / med['fedmpi']:.3f}")
 
 
 if __name__ == "__main__":
