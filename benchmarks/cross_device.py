@@ -39,6 +39,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead import _sub, time_fedmpi  # noqa: E402
@@ -94,6 +95,10 @@ def main() -> None:
                          'is 1 for the CNN on a CPU)')
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(f"{Path(__file__).name}: --device cuda, but torch {torch.__version__} finds no "
+              f"CUDA device", file=sys.stderr)
+        sys.exit(2)
     values = workload(args.model, args.epochs, args.rounds, args.device)
     walls: dict[str, list[float]] = {v: [] for v in args.variants}
     accs: dict[str, float] = {}

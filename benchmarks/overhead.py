@@ -290,6 +290,10 @@ def main() -> None:
     if args.half is not None:
         print(json.dumps(run_half(json.loads(args.values), args.half, 2)))
         return
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(f"{Path(__file__).name}: --device cuda, but torch {torch.__version__} finds no "
+              f"CUDA device", file=sys.stderr)
+        sys.exit(2)
     values = workload(args.rounds, args.device)
     with tempfile.TemporaryDirectory(prefix="fedmpi-bench-") as tmp:
         (measure_gpu if args.device == "cuda" else measure)(args, values, Path(tmp))
