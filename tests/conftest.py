@@ -65,6 +65,20 @@ def mpirun_configs(n, configs: dict, tmp: Path) -> dict:
     return outputs
 
 
+def run_on_ranks(config: Path, counts, tmp: Path) -> dict:
+    """``fedmpi run`` of ``config`` once per rank count: 1 as a plain process (no launcher),
+    more under a real mpirun. Returns rank count -> results path."""
+    outputs = {}
+    for n in counts:
+        outputs[n] = tmp / f"n{n}.h5"
+        args = ["run", "-q", str(config), "-o", str(outputs[n])]
+        if n == 1:
+            fedmpi(args, check=True)
+        else:
+            mpirun(n, [sys.executable, "-m", "fedmpi"] + args)
+    return outputs
+
+
 def fedmpi(args, timeout=600, check=False, cwd=None):
     """The real command line, in a subprocess."""
     proc = subprocess.run([sys.executable, "-m", "fedmpi"] + args, capture_output=True,

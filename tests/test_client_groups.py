@@ -4,8 +4,6 @@ gives it, up to float rounding, for every algorithm with a group form; the group
 function of the participants alone, so deterministic runs are bitwise the same for any
 number of ranks; everything else is refused at config time with one line."""
 
-import sys
-
 import numpy as np
 import pytest
 import torch
@@ -22,7 +20,7 @@ from fedmpi.results import RunFile
 from fedmpi.runtime import run_experiment
 from fedmpi.runtime.plan import group_size, groups, place
 
-from conftest import fedmpi, mpirun, needs_mpi
+from conftest import fedmpi, needs_mpi, run_on_ranks
 from helpers import TINY, merged, write_config
 
 GROUPED = sorted(n for n, c in algorithms.REGISTRY.items() if c.trains_in_groups())
@@ -234,13 +232,7 @@ def test_deterministic_groups_are_bitwise_the_same_for_1_and_3_ranks(tmp_path):
     config = write_config(tmp_path / "g.toml", algorithm={"name": "feddyn"},
                           system={"deterministic": True, "client_group": 2}, rounds=2)
     models = []
-    for n in (1, 3):
-        out = tmp_path / f"n{n}.h5"
-        args = ["run", "-q", str(config), "-o", str(out)]
-        if n == 1:
-            fedmpi(args, check=True)
-        else:
-            mpirun(n, [sys.executable, "-m", "fedmpi"] + args)
+    for out in run_on_ranks(config, (1, 3), tmp_path).values():
         with RunFile(out) as run:
             models.append(run.model())
     assert np.array_equal(models[0], models[1])

@@ -9,7 +9,6 @@ run follows the sequential one; bf16 and tf32 train; a deterministic run resumes
 bits of the run that never stopped."""
 
 import os
-import sys
 
 import numpy as np
 import pytest
@@ -25,7 +24,7 @@ from fedmpi.results import RunFile
 from fedmpi.runtime import run_experiment
 from fedmpi.runtime.system import kernels, numerics
 
-from conftest import fedmpi, mpirun, needs_mpi
+from conftest import needs_mpi, run_on_ranks
 from helpers import TINY, merged, run_and_resume, write_config
 from test_client_groups import (GROUPED, Samples, assert_same_uploads, clients, context,
                                 payload_of, state_of)
@@ -126,13 +125,7 @@ def test_deterministic_runs_on_the_device_are_bitwise_the_same_for_1_2_and_3_ran
                           system={"device": DEVICE.type, "gpu_share": True,
                                   "deterministic": True, "client_group": 2})
     models, ranks = [], []
-    for n in (1, 2, 3):
-        out = tmp_path / f"n{n}.h5"
-        args = ["run", "-q", str(config), "-o", str(out)]
-        if n == 1:
-            fedmpi(args, check=True)
-        else:
-            mpirun(n, [sys.executable, "-m", "fedmpi"] + args)
+    for out in run_on_ranks(config, (1, 2, 3), tmp_path).values():
         with RunFile(out) as run:
             models.append(run.model())
             ranks.append(run.attrs["ranks"])
