@@ -204,7 +204,7 @@ def test_auto_groups_only_where_they_are_faster(tmp_path, model, threads, algori
     form; the file says what it chose."""
     with run_tiny(tmp_path, "auto", rounds=1, model={"name": model, "hidden": [16]} if
                   model == "2nn" else {}, algorithm={"name": algorithm},
-                  system={"device": "cpu", "threads": threads, "client_group": "auto"}) as run:
+                  system={"threads": threads, "client_group": "auto"}) as run:
         assert run.attrs["client_group"] == expected
 
 

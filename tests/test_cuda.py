@@ -15,19 +15,17 @@ import pytest
 import torch
 
 from fedmpi import algorithms
-from fedmpi import config as cfg
 from fedmpi.algorithms import ClientTask
-from fedmpi.comm import LocalComm
 from fedmpi.flat import FlatModel
 from fedmpi.models import build_model
 from fedmpi.results import RunFile
-from fedmpi.runtime import run_experiment
 from fedmpi.runtime.system import kernels, numerics
 
 from conftest import needs_mpi, run_on_ranks
 from helpers import TINY, merged, run_and_resume, write_config
 from test_client_groups import (GROUPED, Samples, assert_same_uploads, clients, context,
                                 payload_of, state_of)
+from test_client_groups import run_tiny as groups_run_tiny
 
 DEVICE = torch.device(os.environ.get("FEDMPI_TEST_DEVICE", "cuda"))
 pytestmark = pytest.mark.skipif(DEVICE.type == "cuda" and not torch.cuda.is_available(),
@@ -39,12 +37,9 @@ ACROSS_DEVICES = dict(rtol=1e-3, atol=1e-4)
 
 
 def run_tiny(tmp_path, name, device=DEVICE.type, **over):
-    values = merged(TINY, **over)
-    values["system"] = {"device": device, **over.get("system", {})}
-    values["output"] = str(tmp_path / f"{name}.h5")
-    c = cfg.from_dict(values)
-    run_experiment(c, LocalComm(), quiet=True)
-    return RunFile(c.output_path())
+    """The groups tests' tiny in-process run, on ``device``."""
+    system = {**over.pop("system", {}), "device": device}
+    return groups_run_tiny(tmp_path, name, system=system, **over)
 
 
 @pytest.mark.parametrize("name", GROUPED)
