@@ -299,20 +299,25 @@ def main() -> None:
         (measure_gpu if args.device == "cuda" else measure)(args, values, Path(tmp))
 
 
+def bare_and_single(values, config_path: Path, tmp: Path, times: dict) -> str:
+    """The bare loop and ``fedmpi run`` in one process on the same workload: their wall
+    times appended to ``times``; returns the text that reports them."""
+    bare = time_bare(values)
+    single = time_fedmpi(config_path, tmp / "single.h5", None)
+    diff = float(np.max(np.abs(np.asarray(bare["params"]) - single["params"])))
+    times["bare"].append(bare["wall"])
+    times["fedmpi"].append(single["wall"])
+    return (f"bare {bare['wall']:.2f} s (acc {bare['acc']:.4f})  fedmpi {single['wall']:.2f} s "
+            f"(acc {single['acc']:.4f})  max |bare - fedmpi| param diff {diff:.2e}")
+
+
 def measure(args, values, tmp: Path) -> None:
     config_path = tmp / "bench.toml"
     config_path.write_text(cfgmod.to_toml(values))
     times = {"bare": [], "fedmpi": [], "limit": [], "mpirun": []}
     for rep in range(args.repeat):
         if not args.only_mpi:
-            bare = time_bare(values)
-            single = time_fedmpi(config_path, tmp / "single.h5", None)
-            diff = float(np.max(np.abs(np.asarray(bare["params"]) - single["params"])))
-            times["bare"].append(bare["wall"])
-            times["fedmpi"].append(single["wall"])
-            print(f"rep {rep + 1}: bare {bare['wall']:.2f} s (acc {bare['acc']:.4f})  fedmpi "
-                  f"{single['wall']:.2f} s (acc {single['acc']:.4f})  "
-                  f"max |bare - fedmpi| param diff {diff:.2e}", flush=True)
+            print(f"rep {rep + 1}: {bare_and_single(values, config_path, tmp, times)}", flush=True)
         limit = time_limit(values)
         multi = time_fedmpi(config_path, tmp / "mpi.h5", 3)
         times["limit"].append(limit["wall"])
@@ -338,14 +343,7 @@ def measure_gpu(args, values, tmp: Path) -> None:
     have_mpirun = (Path(sys.executable).parent / "mpirun").exists()
     times = {"bare": [], "fedmpi": []} | ({"mpirun": []} if have_mpirun else {})
     for rep in range(args.repeat):
-        bare = time_bare(values)
-        single = time_fedmpi(config_path, tmp / "single.h5", None)
-        diff = float(np.max(np.abs(np.asarray(bare["params"]) - single["params"])))
-        times["bare"].append(bare["wall"])
-        times["fedmpi"].append(single["wall"])
-        line = (f"rep {rep + 1}: bare {bare['wall']:.2f} s (acc {bare['acc']:.4f})  fedmpi "
-                f"{single['wall']:.2f} s (acc {single['acc']:.4f})  max |bare - fedmpi| "
-                f"param diff {diff:.2e}")
+        line = f"rep {rep + 1}: {bare_and_single(values, config_path, tmp, times)}"
         if have_mpirun:
             multi = time_fedmpi(config_path, tmp / "mpi.h5", 2)
             times["mpirun"].append(multi["wall"])
