@@ -22,6 +22,14 @@ _FULL = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exce
          errno.EFBIG: "file size limit exceeded (ulimit -f)"}
 
 
+def warn(line: str) -> None:
+    """``line`` and its newline on stderr in one write. Python's stderr writes through:
+    ``print(..., file=sys.stderr)`` makes two writes, and under mpirun the launcher's own
+    messages (an MPI_ABORT's banner) land between them, glued to the end of the line."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def _chain(exc: BaseException | None):
     """``exc``, then what it was raised from or while handling, and so on (once each)."""
     seen = set()

@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 import sys
 
+from .errors import warn
+
 
 class _Unbreakable:
     """A text stream that sends itself to /dev/null the first time a write fails."""
@@ -51,7 +53,7 @@ class _Unbreakable:
         if self._name == "stdout" and self._note:
             why = "was closed (broken pipe)" if isinstance(exc, BrokenPipeError) else \
                 f"cannot be written ({(exc.strerror or str(exc)).lower()})"
-            print(f"fedmpi: stdout {why}; {self._note}", file=sys.stderr, flush=True)
+            warn(f"fedmpi: stdout {why}; {self._note}")
 
     def __getattr__(self, name):
         return getattr(self._stream, name)

@@ -504,6 +504,37 @@ def _start_on(ranks: int, config, out) -> subprocess.Popen:
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def test_every_line_on_stderr_is_one_write(monkeypatch):
+    """mpirun forwards a rank's stderr write by write, and its own messages (MPI_ABORT's
+    banner) go between them. Python's stderr writes through, so print() made two writes,
+    the text and its newline: under load the full-disk line of an aborting rank came out
+    glued to the banner ("...last readable checkpoint-------"). fedmpi says its lines
+    through errors.warn, one write each; no print() to stderr is left in it."""
+    import ast
+
+    from fedmpi.errors import warn
+
+    writes = []
+
+    class Recorder:
+        def write(self, text):
+            writes.append(text)
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(sys, "stderr", Recorder())
+    warn("fedmpi: one line")
+    assert writes == ["fedmpi: one line\n"]
+    prints = []
+    for path in sorted((ROOT / "fedmpi").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "print" and any(
+                    ast.unparse(kw.value) == "sys.stderr" for kw in node.keywords if kw.arg == "file"):
+                prints.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert prints == []
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks", [1, pytest.param(3, marks=needs_mpi)])
 def test_a_disk_filled_at_once_is_one_line(tmp_path, small_disk, ranks):

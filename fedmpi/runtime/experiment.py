@@ -41,7 +41,7 @@ from .. import algorithms, signals
 from ..algorithms import group_sgd, local_sgd
 from ..config.validate import group_refusal
 from ..errors import (ALONE_AFTER, UsageError, ended_within, out_of_memory, out_of_memory_message,
-                      storage_full, storage_full_message)
+                      storage_full, storage_full_message, warn)
 from ..results.writer import FileReplacedError
 from .observers import RoundRecord, default_observers
 from .observers.divergence import DIVERGED
@@ -107,7 +107,7 @@ class Experiment:
         self.ranks = comm.gather_obj(rank_info(comm, world), count=False)
         warning = kernels_warning(self.ranks) if comm.is_server and cfg.system.deterministic else None
         if warning:   # said with or without --quiet: it is about the results, not progress
-            print(warning, file=sys.stderr, flush=True)
+            warn(warning)
         self.codecs = Compression(cfg, self.alg, self.d)
         measured = self._measure_step_time() if cfg.system_model.profiles != "off" and \
             cfg.system_model.measure_step_time and not self.resume else None   # a resume: the file's
@@ -389,15 +389,14 @@ class Experiment:
                 # in setup every rank meets the same error: the server speaks for all; memory
                 # runs out on a rank of its own (a GPU worker), which says which
                 if oom:
-                    print(f"fedmpi: rank {self.comm.rank}: {out_of_memory_message(oom)}",
-                          file=sys.stderr, flush=True)
+                    warn(f"fedmpi: rank {self.comm.rank}: {out_of_memory_message(oom)}")
                 elif self.comm.is_server or self.ready:
                     message = storage_full_message(full) if full else exc
-                    print(f"fedmpi: {message}", file=sys.stderr, flush=True)
+                    warn(f"fedmpi: {message}")
                 elif not ended_within(ALONE_AFTER):
                     # the server's abort ends the job: aborting first could take the server
                     # before it spoke; an error still unsaid by then was this rank's alone
-                    print(f"fedmpi: rank {self.comm.rank}: {exc}", file=sys.stderr, flush=True)
+                    warn(f"fedmpi: rank {self.comm.rank}: {exc}")
                 self.comm.abort(2 if isinstance(exc, UsageError) else 1)
             traceback.print_exc()
             sys.stderr.flush()

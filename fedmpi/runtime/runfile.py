@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from .. import __version__
-from ..errors import UsageError
+from ..errors import UsageError, warn
 from ..results import ResultsWriter, RunFile, checkpoint, liveness, schema
 from ..results.lock import RunLock
 from ..results.writer import recover_crashed
@@ -78,7 +78,7 @@ def take_over(path) -> tuple[Path, RunLock]:
         lock.release()
         raise
     if recovered:
-        print(f"fedmpi: {recovered}", file=sys.stderr, flush=True)
+        warn(f"fedmpi: {recovered}")
     return path, lock
 
 
@@ -94,9 +94,8 @@ def resume_file(exp, dataset, ranks) -> bool:
         except checkpoint.Damaged as exc:   # nothing to continue from: as if never written
             ckpt, damage = None, [str(exc)]
         for line in damage:
-            print(f"fedmpi: {path}: {line}; resuming from "
-                  f"{f'the one after round {ckpt.round}' if ckpt else 'round 0'}",
-                  file=sys.stderr, flush=True)
+            warn(f"fedmpi: {path}: {line}; resuming from "
+                 f"{f'the one after round {ckpt.round}' if ckpt else 'round 0'}")
         if ckpt is not None:
             load_checkpoint(exp, ckpt)
         history = list(run.attrs.get("resumes", []))
@@ -139,9 +138,8 @@ def resume_file(exp, dataset, ranks) -> bool:
         changes.append((f"{kinds[-1]} kernels", f"{_kernels(ranks)} kernels"))
     if changes:
         was, now = (" with ".join(side) for side in zip(*changes))
-        print(f"fedmpi: {path} was run under {was} and resumes under {now}: rounds after "
-              f"{exp.start} may differ in their last bits from a run that never stopped",
-              file=sys.stderr, flush=True)
+        warn(f"fedmpi: {path} was run under {was} and resumes under {now}: rounds after "
+             f"{exp.start} may differ in their last bits from a run that never stopped")
     history.append({"round": exp.start, "world_size": exp.comm.size,
                     "git_commit": git_commit(), "ranks": ranks,
                     "eval_batch_size": exp.eval_batch, "client_group": exp.group,

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
-import sys
 
 import torch
 
+from ...errors import warn
 from . import Observer
 
 DIVERGED = "diverged"
@@ -22,5 +22,4 @@ class Divergence(Observer):
             exp.writer.set_status("failed", error=f"diverged at round {record.round}",
                                   failed_round=record.round)
             exp.stop = DIVERGED
-            print(f"fedmpi: training diverged at round {record.round} (NaN/Inf loss or parameters)",
-                  file=sys.stderr, flush=True)
+            warn(f"fedmpi: training diverged at round {record.round} (NaN/Inf loss or parameters)")

@@ -3,9 +3,8 @@ boundary, resumable: the file is marked interrupted after the rounds it holds.""
 
 from __future__ import annotations
 
-import sys
-
 from ... import signals
+from ...errors import warn
 from . import Observer
 
 PREEMPTED = "preempted"
@@ -34,6 +33,5 @@ def interrupt(exp, completed: int, what: str, why: str = "signal received",
     """Server: mark the file resumable after ``completed`` rounds and stop every rank."""
     exp.writer.set_status("interrupted", error=error, interrupted_round=completed)
     exp.stop = PREEMPTED
-    print(f"fedmpi: {why}; {what}, exiting with {EXIT_PREEMPTED} "
-          f"(resume with: fedmpi run --resume {exp.config.output_path()})",
-          file=sys.stderr, flush=True)
+    warn(f"fedmpi: {why}; {what}, exiting with {EXIT_PREEMPTED} "
+         f"(resume with: fedmpi run --resume {exp.config.output_path()})")

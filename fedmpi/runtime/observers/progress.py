@@ -4,8 +4,8 @@ on stderr one warning line when the node was overloaded at start-up."""
 from __future__ import annotations
 
 import math
-import sys
 
+from ...errors import warn
 from ..system import load_warning
 from ..world import rank_table
 from . import Observer
@@ -18,7 +18,7 @@ class Progress(Observer):
             workers = [r["threads"] for r in exp.ranks[1:]] or [exp.ranks[0]["threads"]]
             warning = load_warning(max(workers))   # rank 0's node: a warning, not a decision
             if warning:
-                print(warning, file=sys.stderr, flush=True)
+                warn(warning)
 
     def after_round(self, exp, record) -> None:
         rounds, row = exp.config.rounds, record.row
