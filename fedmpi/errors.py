@@ -30,6 +30,17 @@ def warn(line: str) -> None:
     sys.stderr.flush()
 
 
+def flush_streams() -> None:
+    """Flush stdout and stderr before the process ends at once (``os._exit``, an MPI
+    abort), so nothing already written is lost; a stream that is closed, or that cannot
+    be written (the full storage may be its own), is skipped."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+
+
 def _chain(exc: BaseException | None):
     """``exc``, then what it was raised from or while handling, and so on (once each)."""
     seen = set()
@@ -139,11 +150,7 @@ def one_line_errors(command):
             say(storage_full_message(full, run=command.__name__ in _RUNS))
             # at once: the interpreter's clean-up would free HDF5 objects of a file that
             # cannot be written, and their failing flushes print tracebacks (or crash)
-            for stream in (sys.stdout, sys.stderr):
-                try:
-                    stream.flush()
-                except OSError:   # the full storage may be this stream's
-                    pass
+            flush_streams()
             os._exit(EXIT_FAILED)
     return wrapper
 

@@ -26,12 +26,12 @@ import io
 import os
 import pickle
 import socket
-import sys
 import time
 
 import numpy as np
 import torch
 
+from ..errors import flush_streams
 from .base import Comm, Ledger, Stopwatch, as_array
 
 FORWARD_SECONDS = 1.0   # abort: mpirun's time to pass on the rank's last lines (below errors.ALONE_AFTER)
@@ -200,11 +200,7 @@ class MPIComm(Comm):
         this rank just wrote. mpirun forwards a rank's output on its own time: on a loaded
         node the abort's banner came first and the rank's line after it, or never (the
         launcher gone before it read the pipe). The pause costs a failing job one second."""
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):   # a closed or full stream: nothing to pass on
-                pass
+        flush_streams()
         time.sleep(FORWARD_SECONDS)
         self.comm.Abort(code)
 
