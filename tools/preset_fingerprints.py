@@ -62,12 +62,14 @@ def small(preset: str) -> list[str]:
                  "train.batch_size=16", "eval.every=1", "eval.probes=[]",
                  "eval.batch_size=64", "system.checkpoint_every=1"]
     if image:
-        channels = 3 if "cifar" in preset else 1
-        overrides += ['data.dataset="synthetic"', "data.data_dir=''", "data.num_train=240",
-                      "data.num_test=48", f"data.size={16 if channels == 3 else 28}",
-                      f"data.channels={channels}", "data.num_classes=10"]
+        # the CIFAR presets train a ResNet-18: fewer, smaller images (a batch or two a client)
+        colour = "cifar" in preset
+        overrides += ['data.dataset="synthetic"', "data.data_dir=''",
+                      f"data.num_train={96 if colour else 240}", f"data.num_test={32 if colour else 48}",
+                      f"data.size={16 if colour else 28}", f"data.channels={3 if colour else 1}",
+                      "data.num_classes=10"]
         if values.get("data", {}).get("public_size"):
-            overrides.append("data.public_size=40")
+            overrides.append(f"data.public_size={16 if colour else 40}")
     return overrides
 
 
