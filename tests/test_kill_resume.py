@@ -24,8 +24,9 @@ from fedmpi.runtime import EXIT_PREEMPTED, run_experiment
 from conftest import ROOT, mpirun, mpirun_path, needs_mpi
 from helpers import TINY, merged, write_config
 
-# ~15 ms a round on one process (~40 ms on 3 ranks here): long enough to hit it mid-run
-LONG = dict(rounds=120, system={"deterministic": True, "checkpoint_every": 7})
+# ~15 ms a round on one process (~40 ms on 3 ranks here): the tests stop it at round 3 or
+# 10, and 50 rounds later it would end by itself
+LONG = dict(rounds=60, system={"deterministic": True, "checkpoint_every": 7})
 SLOW = dict(plugins=["toy_algorithms"], rounds=10, eval={"every": 1, "batch_size": 200},
             system={"deterministic": True, "checkpoint_every": 2})
 TESTS = {"PYTHONPATH": str(ROOT / "tests") + os.pathsep + os.environ.get("PYTHONPATH", "")}
