@@ -1,4 +1,5 @@
 import json
+import sys
 
 import pytest
 
@@ -9,7 +10,7 @@ from conftest import ROOT, mpirun, needs_mpi
 @needs_mpi
 @pytest.mark.parametrize("n", [2, 3])
 def test_mpi_collectives_and_ledger(n):
-    proc = mpirun(n, ["python", str(ROOT / "tests/mpi_scripts/comm_check.py")], timeout=120)
+    proc = mpirun(n, [sys.executable, str(ROOT / "tests/mpi_scripts/comm_check.py")], timeout=120)
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["size"] == n
     assert report["failures"] == [[] for _ in range(n)]
