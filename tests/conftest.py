@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+import zygote
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # OpenMPI refuses to run as root without these; harmless otherwise.
@@ -124,10 +126,32 @@ def run_on_ranks(config: Path, counts, tmp: Path) -> dict:
     return outputs
 
 
-def fedmpi(args, timeout=600, check=False, cwd=None):
-    """The real command line, in a subprocess."""
-    proc = subprocess.run([sys.executable, "-m", "fedmpi"] + args, capture_output=True,
-                          text=True, timeout=timeout, cwd=cwd)
+# FEDMPI_TESTS_FRESH=1: every fedmpi() a fresh interpreter, none forked from the zygote.
+FRESH = os.environ.get("FEDMPI_TESTS_FRESH", "0") not in ("", "0")
+_zygotes = []
+
+
+def _zygote() -> zygote.Zygote:
+    """This test process's zygote, started on first use (again, should it have ended)."""
+    if not _zygotes or not _zygotes[0].alive():
+        _zygotes[:] = [zygote.Zygote()]
+    return _zygotes[0]
+
+
+def fedmpi(args, timeout=600, check=False, cwd=None, env=None, module="fedmpi", fresh=False):
+    """The real command line, ``python -m fedmpi ARGS``, in a process of its own: forked
+    from this test process's zygote (tests/zygote.py: the imports done once, the rest
+    exactly the command), or a fresh interpreter with ``fresh=True`` (what start-up itself
+    does is under test), under FEDMPI_TESTS_FRESH=1, or where ``env`` changes what an
+    interpreter reads as it starts. ``env`` adds to the test's environment."""
+    args = [str(a) for a in args]
+    run_env = dict(os.environ, **(env or {}))
+    server = None if fresh or FRESH else _zygote()
+    if server is None or zygote.startup_differs(run_env, server.env):
+        proc = subprocess.run([sys.executable, "-m", module] + args, capture_output=True,
+                              text=True, timeout=timeout, cwd=cwd, env=run_env)
+    else:
+        proc = server.run(module, args, run_env, str(cwd or os.getcwd()), timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"fedmpi {' '.join(args)} -> {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
     return proc

@@ -17,6 +17,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+from conftest import fedmpi
 from helpers import write_config
 
 from fedmpi import analysis as fa
@@ -32,20 +33,15 @@ ALGORITHMS, SEEDS = ("fedavg", "fedavgm"), (1, 2)
 # ---- helpers shared with the other analysis test modules ---------------------------
 
 def make_tiny_runs(directory: Path, algorithms=ALGORITHMS, seeds=SEEDS, rounds=4, every=2) -> list[Path]:
-    """Real `fedmpi run`s of TINY, all started at once; returns the results files."""
+    """Real `fedmpi run`s of TINY; returns the results files."""
     config = write_config(directory / "tiny.toml", rounds=rounds, eval={"every": every, "batch_size": 64})
-    procs = {}
+    outputs = []
     for algorithm in algorithms:
         for seed in seeds:
-            out = directory / "runs" / f"{algorithm}-seed{seed}.h5"
-            cmd = [sys.executable, "-m", "fedmpi", "run", str(config), "-q", "-o", str(out),
-                   "--set", f"algorithm.name={algorithm}", "--set", f"seed={seed}",
-                   "--set", "system.threads=1"]  # 4 runs side by side on few cores
-            procs[out] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    for out, proc in procs.items():
-        stdout, stderr = proc.communicate(timeout=300)
-        assert proc.returncode == 0, f"{out}: {stdout}\n{stderr}"
-    return sorted(procs)
+            outputs.append(directory / "runs" / f"{algorithm}-seed{seed}.h5")
+            fedmpi(["run", config, "-q", "-o", outputs[-1], "--set", f"algorithm.name={algorithm}",
+                    "--set", f"seed={seed}", "--set", "system.threads=1"], timeout=300, check=True)
+    return sorted(outputs)
 
 
 def run_cli(args, timeout=120, module=None):
@@ -56,8 +52,7 @@ def run_cli(args, timeout=120, module=None):
         from fedmpi.cli import main
         mine = analysis_cli.commands.commands.get(args[0])
         module = "fedmpi" if main.commands.get(args[0]) is mine else "fedmpi.analysis.cli"
-    return subprocess.run([sys.executable, "-m", module] + [str(a) for a in args],
-                          capture_output=True, text=True, timeout=timeout)
+    return fedmpi(args, timeout=timeout, module=module)
 
 
 def write_run(path: Path, acc, config=None, status="completed", bytes_per_round=1_000_000,

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import h5py
 import pytest
+from conftest import fedmpi
 from helpers import TINY, merged, write_config
 from test_analysis import run_cli
 from test_checkpoint import wait_for_rounds
@@ -206,8 +207,7 @@ def test_a_file_a_notebook_holds_open_for_writing_is_refused_and_left_alone(comp
         inode = path.stat().st_ino
         for command in (["report", path], ["watch", "--once", path], ["evaluate", path],
                         ["run", "--resume", path]):
-            proc = subprocess.run([sys.executable, "-m", "fedmpi", *map(str, command)],
-                                  capture_output=True, text=True, timeout=FAST)
+            proc = fedmpi(command, timeout=FAST)
             assert proc.returncode == 2 and proc.stderr == (
                 f"fedmpi: results file {path} is held open for writing by another process "
                 f"(an h5py.File(..., 'a') in a notebook?); close it there and run again\n"), command

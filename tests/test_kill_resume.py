@@ -21,7 +21,7 @@ from fedmpi.comm import LocalComm
 from fedmpi.results import RunFile, repair
 from fedmpi.runtime import EXIT_PREEMPTED, run_experiment
 
-from conftest import ROOT, mpirun, mpirun_path, needs_mpi
+from conftest import ROOT, fedmpi, mpirun, mpirun_path, needs_mpi
 from helpers import TINY, merged, write_config
 
 # ~15 ms a round on one process (~40 ms on 3 ranks here): the tests stop it at round 3 or
@@ -109,8 +109,7 @@ def resume(out: Path, ranks: int = 1) -> subprocess.CompletedProcess:
 
 def cli(args) -> subprocess.CompletedProcess:
     """`fedmpi ARGS` with the test plug-ins importable; fails the test unless it exits 0."""
-    proc = subprocess.run([sys.executable, "-m", "fedmpi", *args], capture_output=True,
-                          text=True, timeout=600, env=dict(os.environ, **TESTS))
+    proc = fedmpi(args, env=TESTS)
     assert proc.returncode == 0, f"fedmpi {' '.join(args)} -> {proc.returncode}\n{proc.stderr}"
     return proc
 

@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import fedmpi
 from helpers import write_config
 from test_analysis import run_cli, write_run
 
@@ -122,8 +123,7 @@ def test_watch_follows_a_real_run_until_it_completes(tmp_path):
     out = tmp_path / "live.h5"
     cmd = [sys.executable, "-m", *_module("watch"), "watch", str(out), "--wait", "--interval", "0.2"]
     watcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    run = subprocess.run([sys.executable, "-m", "fedmpi", "run", str(config), "-q", "-o", str(out)],
-                         capture_output=True, text=True, timeout=300)
+    run = fedmpi(["run", config, "-q", "-o", out], timeout=300)
     assert run.returncode == 0, run.stderr
     finished = time.monotonic()
     stdout, stderr = watcher.communicate(timeout=60)
