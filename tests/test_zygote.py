@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 
+import h5py
 import numpy as np
 import pytest
 
@@ -28,6 +29,13 @@ elif what == "raise":
     raise ValueError("boom")
 elif what == "signal":
     os.kill(os.getpid(), int(sys.argv[2]))
+elif what == "message":
+    sys.exit("a message")
+elif what == "h5open":   # left open at exit: the ending must still close the file
+    import h5py
+    f = h5py.File(sys.argv[2], "w", libver="latest")
+    f["x"] = list(range(1000))
+    sys.exit(5)
 elif what == "sleep":
     import time
     time.sleep(60)
@@ -60,13 +68,23 @@ def test_the_child_gets_the_commands_argv_cwd_path_environment_and_no_stdin(prob
 
 
 def test_endings_are_those_of_a_fresh_interpreter(probe):
-    cases = [("exit", "3"), ("exit", "0"), ("raise",), ("signal", "15"), ("signal", "2")]
+    cases = [("exit", "3"), ("exit", "0"), ("raise",), ("signal", "15"), ("signal", "2"),
+             ("message",)]
     for case in cases:
         forked, fresh = probe(*case), probe(*case, fresh=True)
         assert (forked.returncode, forked.stdout) == (fresh.returncode, fresh.stdout), case
         assert forked.stderr.splitlines()[-1:] == fresh.stderr.splitlines()[-1:], case
     assert probe("exit", "3").returncode == 3 and probe("exit", "3").stdout == "unflushedatexit ran\n"
     assert probe("signal", "15").returncode == -15
+    assert probe("message").stderr == "a message\n"
+
+
+def test_an_hdf5_file_left_open_is_closed_as_at_a_fresh_ending(probe, tmp_path):
+    for fresh in (False, True):
+        path = tmp_path / f"{fresh}.h5"
+        assert probe("h5open", path, fresh=fresh).returncode == 5
+        with h5py.File(path, "r") as f:   # whole and closed: the superblock says so
+            assert list(f["x"][()]) == list(range(1000))
 
 
 def test_a_timeout_kills_the_child_and_the_server_serves_on(probe):
