@@ -44,15 +44,18 @@ def make_tiny_runs(directory: Path, algorithms=ALGORITHMS, seeds=SEEDS, rounds=4
     return sorted(outputs)
 
 
+def cli_module(command: str) -> str:
+    """The module that serves ``command``: ``fedmpi`` when fedmpi/cli.py registers the
+    analysis commands; until then the very same click commands in fedmpi.analysis.cli."""
+    from fedmpi.analysis import cli as analysis_cli
+    from fedmpi.cli import main
+    mine = analysis_cli.commands.commands.get(command)
+    return "fedmpi" if main.commands.get(command) is mine else "fedmpi.analysis.cli"
+
+
 def run_cli(args, timeout=120, module=None):
-    """`fedmpi <command> ...` when fedmpi/cli.py registers the analysis commands; until
-    then the very same click commands through `python -m fedmpi.analysis.cli`."""
-    if module is None:
-        from fedmpi.analysis import cli as analysis_cli
-        from fedmpi.cli import main
-        mine = analysis_cli.commands.commands.get(args[0])
-        module = "fedmpi" if main.commands.get(args[0]) is mine else "fedmpi.analysis.cli"
-    return fedmpi(args, timeout=timeout, module=module)
+    """`fedmpi <command> ...` (the module: cli_module)."""
+    return fedmpi(args, timeout=timeout, module=module or cli_module(args[0]))
 
 
 def write_run(path: Path, acc, config=None, status="completed", bytes_per_round=1_000_000,

@@ -21,7 +21,7 @@ import h5py
 import pytest
 from conftest import fedmpi
 from helpers import TINY, merged, write_config
-from test_analysis import run_cli
+from test_analysis import cli_module, run_cli
 from test_checkpoint import wait_for_rounds
 
 from fedmpi import config as cfgmod
@@ -412,8 +412,7 @@ def _follow(path, **options) -> tuple[int, list[str], float]:
 
 
 def _cli(command) -> list[str]:
-    from test_plot_watch import _module
-    return [sys.executable, "-m", *_module(command), command]
+    return [sys.executable, "-m", cli_module(command), command]
 
 
 def test_read_errors_name_the_file_and_bugs_still_raise(completed, tmp_path):

@@ -37,11 +37,6 @@ def shims(tmp_path_factory):
     return envs
 
 
-def _cli(args, env, timeout=300):
-    return subprocess.run([sys.executable, "-m", "fedmpi"] + args, capture_output=True,
-                          text=True, env=env, timeout=timeout)
-
-
 @pytest.mark.parametrize("name", ["ENOLCK", "ENOSYS"])
 def test_hdf5_files_open_where_the_file_system_has_no_locks(tmp_path, shims, name):
     """The shim is the real failure (plain h5py is refused), and fedmpi's opener gets
@@ -84,16 +79,16 @@ def test_a_run_without_locks_writes_reads_and_resumes_after_kill_9(tmp_path, shi
     wait_rounds(out, 5, proc)
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=60)
-    report = _cli(["report", str(out)], env)
+    report = fedmpi(["report", str(out)], env=env, timeout=300)
     assert report.returncode == 0 and "crashed" in report.stdout, report.stdout + report.stderr
-    resumed = _cli(["run", "-q", "--resume", str(out)], env)
+    resumed = fedmpi(["run", "-q", "--resume", str(out)], env=env, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
     with RunFile(out) as a, RunFile(tmp_path / "ref.h5") as b:
         assert a.status == "completed" and len(a.rounds()["round"]) == 61
         assert a.rounds()["test_acc"].tolist() == b.rounds()["test_acc"].tolist()
         assert (a.model() == b.model()).all()
     for command in (["report", str(out)], ["watch", "--once", str(out)]):
-        proc = _cli(command, env)
+        proc = fedmpi(command, env=env, timeout=300)
         assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.toml", "ref.h5", "run.h5"]
 

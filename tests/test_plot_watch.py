@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import fedmpi
 from helpers import write_config
-from test_analysis import run_cli, write_run
+from test_analysis import cli_module, run_cli, write_run
 
 from fedmpi import analysis as fa
 from fedmpi.errors import UsageError
@@ -121,7 +121,7 @@ def test_watch_follows_a_real_run_until_it_completes(tmp_path):
     config = write_config(tmp_path / "c.toml", rounds=8, data={"num_train": 1200},
                           train={"local_epochs": 2})
     out = tmp_path / "live.h5"
-    cmd = [sys.executable, "-m", *_module("watch"), "watch", str(out), "--wait", "--interval", "0.2"]
+    cmd = [sys.executable, "-m", cli_module("watch"), "watch", str(out), "--wait", "--interval", "0.2"]
     watcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     run = fedmpi(["run", config, "-q", "-o", out], timeout=300)
     assert run.returncode == 0, run.stderr
@@ -165,11 +165,3 @@ def test_watch_bad_input_exits_2(tmp_path):
                        (["/dev/null"], "results file /dev/null is not a regular file (a device, a pipe")):
         proc = run_cli(["watch", *args])
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and says in proc.stderr
-
-
-def _module(command):
-    """The module run_cli would use, for a Popen that must run in the background."""
-    from fedmpi.analysis import cli as analysis_cli
-    from fedmpi.cli import main
-    return ["fedmpi"] if main.commands.get(command) is analysis_cli.commands.commands[command] \
-        else ["fedmpi.analysis.cli"]
