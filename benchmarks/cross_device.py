@@ -22,6 +22,7 @@ path (targets on a 2-core CPU: >= 2x for the 2NN,
     python benchmarks/cross_device.py --model 2nn --epochs 1
     python benchmarks/cross_device.py --model cnn --epochs 5 --rounds 3 --group 10
     python benchmarks/cross_device.py --model 2nn --rounds 100 --variants seq groups   # accuracy curve
+    python benchmarks/cross_device.py --batches --device cuda   # a grouped round's batches alone
 
 ``--device cuda`` runs every variant on the GPU (the bare loop too; the ``-n3`` variants
 then put both workers on it, ``system.gpu_share``), where "auto" groups the CNN as well:
@@ -83,6 +84,40 @@ def measure(variant: str, values: dict, tmp: Path, group) -> dict:
             "acc": result["acc"]}
 
 
+def time_batches(values: dict, repeat: int) -> None:
+    """A grouped round's input pipeline alone, on the workload's data and device: every
+    batch of 50 clients (a round's sample, in non-increasing step counts) stacked from
+    each client's own stream (``ClientData.group_batches``) against gathered a step at a
+    time for the whole group (``TensorClientData.group_batches``); the same bits, timed
+    as the median of ``repeat`` passes."""
+    import time
+
+    from fedmpi import algorithms
+    from fedmpi.algorithms.base import ClientData
+    from fedmpi.comm import LocalComm
+    from fedmpi.runtime.clientdata import TensorClientData
+    from fedmpi.runtime.world import build_world
+
+    config = cfgmod.from_dict(values)
+    world = build_world(config, LocalComm(), algorithms.build("fedavg", {}))
+    chosen = np.random.default_rng(0).choice(config.clients.num, config.clients.per_round,
+                                             replace=False)
+    group = sorted((world.data.client(world.split.client(c), 0, 1, int(c), 0) for c in chosen),
+                   key=lambda c: -c.num_samples)
+    epochs, b = config.train.local_epochs, config.train.batch_size
+    sync = torch.cuda.synchronize if world.device.type == "cuda" else (lambda: None)
+    for name, source in (("per client", ClientData), ("gathered", TensorClientData)):
+        times = []
+        for _ in range(repeat):
+            sync()
+            start = time.perf_counter()
+            steps = sum(1 for _ in source.group_batches(group, epochs, b))
+            sync()
+            times.append(time.perf_counter() - start)
+        print(f"  {name:<10} {1e3 * statistics.median(times):7.2f} ms a round "
+              f"({steps} steps, {len(group)} clients, {world.device})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=("2nn", "cnn"), default="2nn")
@@ -94,12 +129,16 @@ def main() -> None:
                     help='system.client_group of the groups variants (default "auto", which '
                          'is 1 for the CNN on a CPU)')
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--batches", action="store_true",
+                    help="time only a grouped round's batches: per client against gathered")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print(f"{Path(__file__).name}: --device cuda, but torch {torch.__version__} finds no "
               f"CUDA device", file=sys.stderr)
         sys.exit(2)
     values = workload(args.model, args.epochs, args.rounds, args.device)
+    if args.batches:
+        return time_batches(values, max(args.repeat, 20))
     walls: dict[str, list[float]] = {v: [] for v in args.variants}
     accs: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="fedmpi-w2-") as tmp:

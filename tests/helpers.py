@@ -3,11 +3,17 @@
 They train on the CPU wherever the suite runs: their tests compare bits of runs that are
 bitwise the same only on the CPU (a GPU's kernels are so only in deterministic mode) and
 name the CPU's kernels; what a GPU does is tested in tests/test_cuda.py, which sets the
-device itself."""
+device itself. ``FEDMPI_SUITE_DEVICE=cuda`` puts these configs on the GPU (workers
+sharing it) for the tests that hold there too: tests/test_kill_resume.py, whose runs are
+all deterministic."""
 
+import os
 from pathlib import Path
 
 from fedmpi.config import to_toml
+
+DEVICE = os.environ.get("FEDMPI_SUITE_DEVICE", "cpu")
+_SYSTEM = {"device": DEVICE} if DEVICE == "cpu" else {"device": DEVICE, "gpu_share": True}
 
 TINY = {
     "name": "tiny", "seed": 3, "rounds": 3,
@@ -18,7 +24,7 @@ TINY = {
     "algorithm": {"name": "fedavg"},
     "train": {"local_epochs": 1, "batch_size": 16, "lr": 0.05},
     "eval": {"every": 1, "batch_size": 64},
-    "system": {"device": "cpu"},
+    "system": dict(_SYSTEM),
 }
 
 # A self-supervised run in seconds: heads small enough for a 16x16 synthetic set; clients
@@ -31,7 +37,7 @@ SSL = {
     "model": {"name": "cnn", "hidden": 32, "channels": [4, 8]},
     "algorithm": {"name": "fedbyol", "proj_dim": 16, "proj_hidden": 32, "pred_hidden": 16},
     "train": {"batch_size": 64, "lr": 0.05},
-    "system": {"deterministic": True, "device": "cpu"},
+    "system": {"deterministic": True, **_SYSTEM},
 }
 
 

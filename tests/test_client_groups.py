@@ -4,6 +4,8 @@ gives it, up to float rounding, for every algorithm with a group form; the group
 function of the participants alone, so deterministic runs are bitwise the same for any
 number of ranks; everything else is refused at config time with one line."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -17,7 +19,9 @@ from fedmpi.errors import UsageError
 from fedmpi.flat import FlatModel
 from fedmpi.models import build_model, group_problem
 from fedmpi.results import RunFile
+from fedmpi.data.augment import ClientSkew
 from fedmpi.runtime import run_experiment
+from fedmpi.runtime.clientdata import DeviceData, TensorClientData
 from fedmpi.runtime.plan import group_size, groups, place
 
 from conftest import fedmpi, needs_mpi, run_on_ranks
@@ -143,6 +147,53 @@ def test_group_corrections_with_their_own_state(name, params):
 def test_group_form_for_the_models_and_layouts(model, channels_last):
     assert_same_uploads(*both_paths("fedprox", context(), model=model,
                                     channels_last=channels_last))
+
+
+GROUP_BATCH_CASES = [
+    ("image", False, None, True, "train"), ("image", False, None, False, "test"),
+    ("image", True, None, True, "train"), ("image", False, ClientSkew(noise_std=0.1), True,
+                                           "train"),
+    ("image", False, ClientSkew(brightness=0.5), False, "train"),
+    ("gray", False, None, True, "train"),
+    ("text", True, None, False, "train"), ("tabular", False, None, False, "train")]
+
+
+@pytest.mark.parametrize("modality,augment,skew,channels_last,split", GROUP_BATCH_CASES)
+def test_a_groups_batches_are_its_clients_own_bit_for_bit(modality, augment, skew,
+                                                         channels_last, split):
+    """The runtime's group batches (one gather a step, or each client's stream where the
+    conversion draws randomness) against each client's own ``batches`` stacked: the same
+    steps, values, memory layout and padding weights, for short, whole and empty clients
+    over two epochs."""
+    check_group_batches(torch.device("cpu"), modality, augment, skew, channels_last, split)
+
+
+def check_group_batches(device, modality, augment, skew, channels_last, split):
+    g = torch.Generator().manual_seed(3)
+    shape = {"image": (3, 6, 6), "gray": (1, 5, 5), "text": (7,), "tabular": (5,)}[modality]
+    modality = "image" if modality == "gray" else modality
+    x = torch.randint(0, 256, (130, *shape), generator=g, dtype=torch.uint8)
+    if modality == "tabular":
+        x = x.float()
+    dataset = SimpleNamespace(train_x=x, train_y=torch.randint(0, 10, (130,), generator=g),
+                              test_x=x.flip(0), test_y=torch.arange(130), modality=modality,
+                              mean=(0.5, 0.4, 0.3)[:shape[0]], std=(0.2, 0.3, 0.25)[:shape[0]])
+    data = DeviceData(dataset, device, augment=augment, crop_padding=2, flip=True,
+                      channels_last=channels_last)
+    sizes = [37, 30, 21, 20, 10, 7, 1, 0]
+    group = [data.client(np.arange(sum(sizes[:i]), sum(sizes[:i + 1])), 5, 2, 40 + i, 0,
+                         split=split, skew=skew) for i, n in enumerate(sizes)]
+    got = list(TensorClientData.group_batches(group, 2, 10))
+    want = list(ClientData.group_batches(
+        [data.client(c.indices.numpy(), 5, 2, 40 + i, 0, split=split, skew=skew)
+         for i, c in enumerate(group)], 2, 10))
+    assert len(got) == len(want) == 8
+    for (x1, y1, w1), (x2, y2, w2) in zip(got, want):
+        assert x1.device.type == device.type
+        assert x1.shape == x2.shape and x1.stride() == x2.stride()
+        assert torch.equal(x1, x2) and torch.equal(y1, y2)
+        assert (w1 is None) == (w2 is None) and (w1 is None or torch.equal(w1, w2))
+    assert [len(y) for _, y, _ in got] == [7, 7, 4, 4, 3, 3, 1, 1]
 
 
 def test_a_group_of_one_and_equal_clients():

@@ -2,7 +2,7 @@
 ``FEDMPI_TEST_DEVICE=cpu`` runs the same checks on the CPU, to test the tests).
 
 On the GPU: client groups give each client what the sequential path gives it, for every
-method with a group form; a run follows the same run on the CPU and names the GPU's model
+method with a group form, and a group's batches gathered at once are each client's own; a run follows the same run on the CPU and names the GPU's model
 as its kernels; deterministic runs are bitwise the same for 1, 2 and 3 ranks (the server
 on the CPU, two workers sharing the GPU with the dataset held once per node); a grouped
 run follows the sequential one; bf16 and tf32 train; a deterministic run resumes to the
@@ -23,8 +23,8 @@ from fedmpi.runtime.system import kernels, numerics
 
 from conftest import needs_mpi, run_on_ranks
 from helpers import TINY, merged, run_and_resume, write_config
-from test_client_groups import (GROUPED, Samples, assert_same_uploads, clients, context,
-                                payload_of, state_of)
+from test_client_groups import (GROUP_BATCH_CASES, GROUPED, Samples, assert_same_uploads,
+                                check_group_batches, clients, context, payload_of, state_of)
 from test_client_groups import run_tiny as groups_run_tiny
 
 DEVICE = torch.device(os.environ.get("FEDMPI_TEST_DEVICE", "cuda"))
@@ -60,6 +60,14 @@ def test_group_form_equals_the_sequential_local_update_on_the_device(name):
         group = alg.local_update_group(tasks, payload, states, ctx)
     assert group[0].delta.device.type == DEVICE.type
     assert_same_uploads(alg, one, group)
+
+
+@pytest.mark.parametrize("modality,augment,skew,channels_last,split", GROUP_BATCH_CASES)
+def test_a_groups_batches_on_the_device_are_its_clients_own(modality, augment, skew,
+                                                           channels_last, split):
+    """A group's batches gathered on the GPU at once (the index sent once, pinned) against
+    each client's own batches there: the same bits, layout and padding."""
+    check_group_batches(DEVICE, modality, augment, skew, channels_last, split)
 
 
 def test_a_run_on_the_device_follows_the_cpu_run_and_names_its_kernels(tmp_path):

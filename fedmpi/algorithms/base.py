@@ -89,6 +89,42 @@ class ClientData:
     def num_steps(self, epochs: int, batch_size: int) -> int:
         return epochs * -(-self.num_samples // batch_size)
 
+    @classmethod
+    def group_batches(cls, clients: list["ClientData"], epochs: int, batch_size: int
+                      ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        """A group's batches (``fedmpi.algorithms.group_sgd``; ``clients`` in non-increasing
+        step counts): at each step k, (x [a, B, ...], y [a, B], weights [a, B] or None) of
+        the a clients with more than k steps, each row the client's own k-th batch. A
+        short batch is padded with zero-weight copies of its first sample; ``weights`` is
+        1/n_real for real samples and 0 for padding, None when every batch is full."""
+        streams = [c.batches(epochs, batch_size) for c in clients]
+        steps = [c.num_steps(epochs, batch_size) for c in clients]
+        for k in range(steps[0] if clients else 0):
+            active = sum(1 for s in steps if s > k)
+            yield stack_batches([next(s) for s in streams[:active]], batch_size)
+
+
+def stack_batches(batches: list[tuple[torch.Tensor, torch.Tensor]], batch_size: int):
+    """(x [a, B, ...], y [a, B], weights [a, B] or None) of one batch per client, short
+    batches padded as ``ClientData.group_batches`` says."""
+    if all(len(y) == batch_size for _, y in batches):
+        return torch.stack([x for x, _ in batches]), torch.stack([y for _, y in batches]), None
+    xs, ys, ws = [], [], []
+    for x, y in batches:
+        n = len(y)
+        w = torch.zeros(batch_size, device=y.device)
+        w[:n] = 1.0 / n
+        if n < batch_size:   # (in the batch's own memory layout: channels-last stays so)
+            pad = batch_size - n
+            layout = torch.channels_last if x.dim() == 4 and not x.is_contiguous() and \
+                x.is_contiguous(memory_format=torch.channels_last) else torch.contiguous_format
+            x = torch.cat([x, x[:1].expand(pad, *x.shape[1:])]).contiguous(memory_format=layout)
+            y = torch.cat([y, y[:1].expand(pad)])
+        xs.append(x)
+        ys.append(y)
+        ws.append(w)
+    return torch.stack(xs), torch.stack(ys), torch.stack(ws)
+
 
 @dataclass
 class ClientTask:

@@ -146,26 +146,6 @@ def group_model(flat: FlatModel) -> GroupModel:
     return model
 
 
-def stack_batches(batches: list[tuple[torch.Tensor, torch.Tensor]], batch_size: int):
-    """(x [a, B, ...], y [a, B], weights [a, B] or None) of one batch per active client,
-    short batches padded with zero-weight copies of their first sample."""
-    if all(len(y) == batch_size for _, y in batches):
-        return torch.stack([x for x, _ in batches]), torch.stack([y for _, y in batches]), None
-    xs, ys, ws = [], [], []
-    for x, y in batches:
-        n = len(y)
-        w = torch.zeros(batch_size, device=y.device)
-        w[:n] = 1.0 / n
-        if n < batch_size:
-            pad = batch_size - n
-            x = torch.cat([x, x[:1].expand(pad, *x.shape[1:])])
-            y = torch.cat([y, y[:1].expand(pad)])
-        xs.append(x)
-        ys.append(y)
-        ws.append(w)
-    return torch.stack(xs), torch.stack(ys), torch.stack(ws)
-
-
 def group_step(params: torch.Tensor, grads: torch.Tensor, lr, weight_decay: float,
                clip_norm: float, velocity: torch.Tensor | None = None, momentum: float = 0.0,
                nesterov: bool = False) -> None:
@@ -227,13 +207,13 @@ def train(tasks: list[ClientTask], start: torch.Tensor, ctx: RoundContext,
         [local_sgd.step_lrs(t, ctx) for t in tasks]
     velocity = torch.zeros_like(params) if ctx.momentum else None
     totals = torch.zeros(g, device=rows.device)
-    streams = [t.data.batches(ctx.local_epochs, ctx.batch_size) for t in tasks]
+    batches = type(tasks[0].data).group_batches([t.data for t in tasks], ctx.local_epochs,
+                                               ctx.batch_size) if g else iter(())
     autocast = tasks[0].autocast   # bf16 forward and loss, as local_sgd.autocast
     plain = correction is None and not sam_rho and not ctx.momentum and not ctx.weight_decay
     flat.module.train()
-    for k in range(steps[0] if g else 0):
-        active = sum(1 for s in steps if s > k)
-        x, y, weights = stack_batches([next(s) for s in streams[:active]], ctx.batch_size)
+    for k, (x, y, weights) in enumerate(batches):
+        active = len(y)
         lr = _learning_rates(ctx, active, k, schedules, rows.device)
         if plain:
             losses, pieces = model.gradient_pieces(active, x, y, weights, autocast)
