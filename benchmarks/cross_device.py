@@ -23,6 +23,7 @@ path (targets on a 2-core CPU: >= 2x for the 2NN,
     python benchmarks/cross_device.py --model cnn --epochs 5 --rounds 3 --group 10
     python benchmarks/cross_device.py --model 2nn --rounds 100 --variants seq groups   # accuracy curve
     python benchmarks/cross_device.py --batches --device cuda   # a grouped round's batches alone
+    python benchmarks/cross_device.py --profile --device cuda   # its training alone, profiled
 
 ``--device cuda`` runs every variant on the GPU (the bare loop too; the ``-n3`` variants
 then put both workers on it, ``system.gpu_share``), where "auto" groups the CNN as well:
@@ -84,18 +85,12 @@ def measure(variant: str, values: dict, tmp: Path, group) -> dict:
             "acc": result["acc"]}
 
 
-def time_batches(values: dict, repeat: int) -> None:
-    """A grouped round's input pipeline alone, on the workload's data and device: every
-    batch of 50 clients (a round's sample, in non-increasing step counts) stacked from
-    each client's own stream (``ClientData.group_batches``) against gathered a step at a
-    time for the whole group (``TensorClientData.group_batches``); the same bits, timed
-    as the median of ``repeat`` passes."""
-    import time
-
+def round_clients(values: dict):
+    """(config, world, the clients of one round): W2's world built in this process, and
+    50 of its clients (a round's sample) as the runtime hands a group, in non-increasing
+    step counts."""
     from fedmpi import algorithms
-    from fedmpi.algorithms.base import ClientData
     from fedmpi.comm import LocalComm
-    from fedmpi.runtime.clientdata import TensorClientData
     from fedmpi.runtime.world import build_world
 
     config = cfgmod.from_dict(values)
@@ -104,18 +99,90 @@ def time_batches(values: dict, repeat: int) -> None:
                                              replace=False)
     group = sorted((world.data.client(world.split.client(c), 0, 1, int(c), 0) for c in chosen),
                    key=lambda c: -c.num_samples)
-    epochs, b = config.train.local_epochs, config.train.batch_size
+    return config, world, group
+
+
+def _timed(world, passes: int, work) -> list[float]:
+    """Seconds of each of ``passes`` calls of ``work``, the device drained around each."""
+    import time
+
     sync = torch.cuda.synchronize if world.device.type == "cuda" else (lambda: None)
+    times = []
+    for _ in range(passes):
+        sync()
+        start = time.perf_counter()
+        work()
+        sync()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def time_batches(values: dict, repeat: int) -> None:
+    """A grouped round's input pipeline alone, on the workload's data and device: every
+    batch of a round's 50 clients stacked from each client's own stream
+    (``ClientData.group_batches``) against gathered a step at a time for the whole group
+    (``TensorClientData.group_batches``); the same bits, timed as the median of
+    ``repeat`` passes."""
+    from fedmpi.algorithms.base import ClientData
+    from fedmpi.runtime.clientdata import TensorClientData
+
+    config, world, group = round_clients(values)
+    epochs, b = config.train.local_epochs, config.train.batch_size
+    steps = group[0].num_steps(epochs, b)
     for name, source in (("per client", ClientData), ("gathered", TensorClientData)):
-        times = []
-        for _ in range(repeat):
-            sync()
-            start = time.perf_counter()
-            steps = sum(1 for _ in source.group_batches(group, epochs, b))
-            sync()
-            times.append(time.perf_counter() - start)
+        times = _timed(world, repeat, lambda: sum(1 for _ in source.group_batches(group, epochs, b)))
         print(f"  {name:<10} {1e3 * statistics.median(times):7.2f} ms a round "
               f"({steps} steps, {len(group)} clients, {world.device})")
+
+
+def profile_training(values: dict, repeat: int, top: int = 15) -> None:
+    """A round's local training alone, none of the engine around it: FedAvg's local
+    updates of a round's 50 clients one after another and as one group, each timed as
+    the median of ``repeat`` passes; then the group under torch.profiler: the device's
+    busy time per pass against the pass's wall time (on a GPU, how much of a group's
+    round the device idles while the host launches), kernels launched, and the
+    operators that take the host's time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from fedmpi import algorithms
+    from fedmpi.algorithms import ClientTask, RoundContext, group_sgd
+    from fedmpi.runtime.system import numerics
+
+    config, world, group = round_clients(values)
+    t = config.train
+    alg = algorithms.build("fedavg", {})
+    tasks = [ClientTask(client=i, data=c, model=world.flat, device=world.device,
+                        autocast=world.autocast) for i, c in enumerate(group)]
+    ctx = RoundContext(round=1, phase="train", lr=t.lr, lr_prev=t.lr, global_lr=t.global_lr,
+                       weight_decay=t.weight_decay, clip_norm=t.clip_norm,
+                       local_epochs=t.local_epochs, batch_size=t.batch_size,
+                       num_clients=config.clients.num, participants=tuple(range(len(group))),
+                       seed=0)
+    payload = {"x": world.flat.params.detach().clone()}
+    variants = {"sequential": lambda: [alg.local_update(task, payload, None, ctx) for task in tasks],
+                "group": lambda: alg.local_update_group(tasks, payload, [None] * len(tasks), ctx)}
+    group_sgd.warm_up()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
+                                           if world.device.type == "cuda" else [])
+    with numerics(world.device, config.system.precision, config.system.deterministic):
+        walls = {name: statistics.median(_timed(world, repeat, work))
+                 for name, work in variants.items()}
+        with profile(activities=activities) as prof:
+            profiled = sum(_timed(world, repeat, variants["group"]))
+    steps = group[0].num_steps(t.local_epochs, t.batch_size)
+    print(f"A round's local training, {len(group)} clients ({steps} group steps), "
+          f"{world.device}: sequential {1e3 * walls['sequential']:.1f} ms, group "
+          f"{1e3 * walls['group']:.1f} ms ({walls['sequential'] / walls['group']:.2f}x)")
+    events = prof.key_averages()
+    busy = sum(getattr(e, "self_device_time_total", 0) for e in events) / 1e6
+    launches = sum(e.count for e in events if "LaunchKernel" in e.key)
+    print(f"profiled group passes: {1e3 * profiled / repeat:.1f} ms a pass (profiler on), "
+          f"device busy {1e3 * busy / repeat:.1f} ms, {launches / repeat:.0f} kernel launches, "
+          f"{sum(e.count for e in events if e.key.startswith('aten::')) / repeat:.0f} "
+          f"operators a pass")
+    print(events.table(sort_by="self_cpu_time_total", row_limit=top))
+    if world.device.type == "cuda":
+        print(events.table(sort_by="self_device_time_total", row_limit=top))
 
 
 def main() -> None:
@@ -131,6 +198,9 @@ def main() -> None:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--batches", action="store_true",
                     help="time only a grouped round's batches: per client against gathered")
+    ap.add_argument("--profile", action="store_true",
+                    help="time and profile only a round's local training, sequential and as "
+                         "one group")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print(f"{Path(__file__).name}: --device cuda, but torch {torch.__version__} finds no "
@@ -139,6 +209,8 @@ def main() -> None:
     values = workload(args.model, args.epochs, args.rounds, args.device)
     if args.batches:
         return time_batches(values, max(args.repeat, 20))
+    if args.profile:
+        return profile_training(values, max(args.repeat, 5))
     walls: dict[str, list[float]] = {v: [] for v in args.variants}
     accs: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="fedmpi-w2-") as tmp:
