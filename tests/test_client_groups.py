@@ -15,11 +15,11 @@ from fedmpi import config as cfg
 from fedmpi.algorithms import ClientTask, RoundContext
 from fedmpi.algorithms.base import ClientData
 from fedmpi.comm import LocalComm
+from fedmpi.data.augment import ClientSkew
 from fedmpi.errors import UsageError
 from fedmpi.flat import FlatModel
 from fedmpi.models import build_model, group_problem
 from fedmpi.results import RunFile
-from fedmpi.data.augment import ClientSkew
 from fedmpi.runtime import run_experiment
 from fedmpi.runtime.clientdata import DeviceData, TensorClientData
 from fedmpi.runtime.plan import group_size, groups, place
@@ -182,7 +182,7 @@ def check_group_batches(device, modality, augment, skew, channels_last, split):
                       channels_last=channels_last)
     sizes = [37, 30, 21, 20, 10, 7, 1, 0]
     group = [data.client(np.arange(sum(sizes[:i]), sum(sizes[:i + 1])), 5, 2, 40 + i, 0,
-                         split=split, skew=skew) for i, n in enumerate(sizes)]
+                         split=split, skew=skew) for i in range(len(sizes))]
     got = list(TensorClientData.group_batches(group, 2, 10))
     want = list(ClientData.group_batches(
         [data.client(c.indices.numpy(), 5, 2, 40 + i, 0, split=split, skew=skew)

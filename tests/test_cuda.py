@@ -2,11 +2,12 @@
 ``FEDMPI_TEST_DEVICE=cpu`` runs the same checks on the CPU, to test the tests).
 
 On the GPU: client groups give each client what the sequential path gives it, for every
-method with a group form, and a group's batches gathered at once are each client's own; a run follows the same run on the CPU and names the GPU's model
-as its kernels; deterministic runs are bitwise the same for 1, 2 and 3 ranks (the server
-on the CPU, two workers sharing the GPU with the dataset held once per node); a grouped
-run follows the sequential one; bf16 and tf32 train; a deterministic run resumes to the
-bits of the run that never stopped."""
+method with a group form, and a group's batches gathered at once are each client's own;
+a run follows the same run on the CPU and names the GPU's model as its kernels;
+deterministic runs are bitwise the same for 1, 2 and 3 ranks (the server on the CPU, two
+workers sharing the GPU with the dataset held once per node); a grouped run follows the
+sequential one; bf16 and tf32 train; a deterministic run resumes to the bits of the run
+that never stopped."""
 
 import os
 
