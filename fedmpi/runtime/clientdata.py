@@ -115,7 +115,7 @@ class TensorClientData(ClientData):
             yield from super().group_batches(clients, epochs, batch_size)
             return
         steps = [c.num_steps(epochs, batch_size) for c in clients]
-        index = torch.empty(steps[0], len(clients), batch_size, dtype=torch.int64)
+        index = torch.zeros(steps[0], len(clients), batch_size, dtype=torch.int64)
         weights = torch.zeros(steps[0], len(clients), batch_size)
         full = [True] * steps[0]
         for i, c in enumerate(clients):
