@@ -38,6 +38,7 @@ import json
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -104,8 +105,6 @@ def round_clients(values: dict):
 
 def _timed(world, passes: int, work) -> list[float]:
     """Seconds of each of ``passes`` calls of ``work``, the device drained around each."""
-    import time
-
     sync = torch.cuda.synchronize if world.device.type == "cuda" else (lambda: None)
     times = []
     for _ in range(passes):

@@ -98,10 +98,14 @@ class ClientData:
         short batch is padded with zero-weight copies of its first sample; ``weights`` is
         1/n_real for real samples and 0 for padding, None when every batch is full."""
         streams = [c.batches(epochs, batch_size) for c in clients]
-        steps = [c.num_steps(epochs, batch_size) for c in clients]
-        for k in range(steps[0] if clients else 0):
-            active = sum(1 for s in steps if s > k)
+        for active in active_counts(clients, epochs, batch_size):
             yield stack_batches([next(s) for s in streams[:active]], batch_size)
+
+
+def active_counts(clients: list[ClientData], epochs: int, batch_size: int) -> list[int]:
+    """How many of a group's clients (non-increasing step counts) train at each step."""
+    steps = [c.num_steps(epochs, batch_size) for c in clients]
+    return [sum(1 for s in steps if s > k) for k in range(steps[0] if steps else 0)]
 
 
 def stack_batches(batches: list[tuple[torch.Tensor, torch.Tensor]], batch_size: int):

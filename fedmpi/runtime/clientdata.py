@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..algorithms.base import ClientData
+from ..algorithms.base import ClientData, active_counts
 from ..data.augment import ClientSkew, crop_flip, normalise, skewed_float, to_float
 from ..data.ssl_augment import two_views
 from .rng import torch_generator
@@ -114,22 +114,20 @@ class TensorClientData(ClientData):
                                 or c._draws_randomness() for c in clients):
             yield from super().group_batches(clients, epochs, batch_size)
             return
-        steps = [c.num_steps(epochs, batch_size) for c in clients]
-        index = torch.zeros(steps[0], len(clients), batch_size, dtype=torch.int64)
-        weights = torch.zeros(steps[0], len(clients), batch_size)
-        full = [True] * steps[0]
+        active = active_counts(clients, epochs, batch_size)
+        index = torch.zeros(len(active), len(clients), batch_size, dtype=torch.int64)
+        weights = torch.zeros(len(active), len(clients), batch_size)
+        full = [True] * len(active)
         for i, c in enumerate(clients):
             c._draw_group_rows(index[:, i], weights[:, i], full, epochs, batch_size)
         if first.data.device.type == "cuda":   # asynchronous only from pinned memory
             index = index.pin_memory().to(first.data.device, non_blocking=True)
             weights = weights.pin_memory().to(first.data.device, non_blocking=True)
-        for k in range(steps[0]):
-            active = sum(1 for s in steps if s > k)
-            batch = index[k, :active].reshape(-1)
+        for k, a in enumerate(active):
+            batch = index[k, :a].reshape(-1)
             x = first.data.prepare(first.x[batch], None)
-            yield (x.view(active, batch_size, *x.shape[1:]),
-                   first.y[batch].view(active, batch_size),
-                   None if full[k] else weights[k, :active])
+            yield (x.view(a, batch_size, *x.shape[1:]), first.y[batch].view(a, batch_size),
+                   None if full[k] else weights[k, :a])
 
     def _draws_randomness(self) -> bool:
         """Whether ``DeviceData.prepare`` draws from this client's augmentation stream."""
