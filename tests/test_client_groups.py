@@ -12,13 +12,14 @@ import torch
 
 from fedmpi import algorithms
 from fedmpi import config as cfg
-from fedmpi.algorithms import ClientTask, RoundContext
+from fedmpi.algorithms import ClientTask, RoundContext, group_sgd
 from fedmpi.algorithms.base import ClientData
 from fedmpi.comm import LocalComm
 from fedmpi.data.augment import ClientSkew
 from fedmpi.errors import UsageError
 from fedmpi.flat import FlatModel
 from fedmpi.models import build_model, group_problem
+from fedmpi.models.mlp import TwoNN
 from fedmpi.results import RunFile
 from fedmpi.runtime import run_experiment
 from fedmpi.runtime.clientdata import DeviceData, TensorClientData
@@ -119,21 +120,24 @@ def test_every_method_with_a_local_sgd_update_trains_in_groups():
                        "fednova", "fedprox", "fedsam", "mofedsam", "scaffold"]
 
 
+@pytest.mark.parametrize("model", ["cnn", "2nn"])
 @pytest.mark.parametrize("name", GROUPED)
-def test_group_form_equals_the_sequential_local_update(name):
+def test_group_form_equals_the_sequential_local_update(name, model):
     """Unequal clients (two full, one with a short last batch, one with fewer steps): each
-    client's delta, loss, steps, contribution, gathered values and new state."""
-    assert_same_uploads(*both_paths(name, context(clip_norm=1.0)))
+    client's delta, loss, steps, contribution, gathered values and new state; for a
+    convolutional network (vmap) and a Linear-ReLU chain (the hand-written gradient)."""
+    assert_same_uploads(*both_paths(name, context(clip_norm=1.0), model=model))
 
 
 @pytest.mark.parametrize("over", [
     dict(momentum=0.9), dict(momentum=0.9, nesterov=True), dict(weight_decay=1e-3),
     dict(local_schedule="step", local_decay=0.5), dict(local_schedule="cosine", local_warmup=2),
     dict(clip_norm=0.05)])
-def test_local_optimizer_in_groups(over):
+@pytest.mark.parametrize("model", ["cnn", "2nn"])
+def test_local_optimizer_in_groups(over, model):
     """Momentum, Nesterov, weight decay, per-client clipping and local schedules (whose
     per-step rates differ between clients of unequal epochs) follow sgd_step row by row."""
-    assert_same_uploads(*both_paths("fedavg", context(**over)))
+    assert_same_uploads(*both_paths("fedavg", context(**over), model=model))
 
 
 @pytest.mark.parametrize("name,params", [("fednova", {"rho": 0.5}), ("fednova", {"mu": 0.1}),
@@ -147,6 +151,52 @@ def test_group_corrections_with_their_own_state(name, params):
 def test_group_form_for_the_models_and_layouts(model, channels_last):
     assert_same_uploads(*both_paths("fedprox", context(), model=model,
                                     channels_last=channels_last))
+
+
+class Wider(TwoNN):
+    """A 2NN whose features are not its layers' chain: no hand-written gradient for it."""
+
+    def features(self, x):
+        return 2 * super().features(x)
+
+
+@pytest.mark.parametrize("build,chain", [
+    (lambda: build_model("2nn", 3, 4, 6, hidden=[12]), [(0, 12, 108, 1296), (1308, 4, 12, 1356)]),
+    (lambda: build_model("mlp", 7, 4, 1, hidden=[]), [(0, 4, 7, 28)]),
+    (lambda: build_model("mlp", 7, 4, 1, hidden=[5, 6, 3]), [(0, 5, 7, 35), (40, 6, 5, 70),
+                                                            (76, 3, 6, 94), (97, 4, 3, 109)]),
+    (lambda: build_model("mlp", 7, 4, 1, hidden=[5], proj_dim=3), None),
+    (lambda: Wider(1, 4, 6, hidden=(5,)), None),
+    (lambda: build_model("cnn", 1, 4, 16, hidden=16, channels=[3, 4]), None)])
+def test_a_linear_relu_chain_has_a_hand_written_gradient_equal_to_vmaps(build, chain):
+    """Where the model is a Linear-ReLU chain over flattened inputs and nothing else (the
+    2NN, the tabular MLP), a group differentiates it by hand; its losses and gradient
+    pieces are vmap(grad)'s up to rounding: mean and weighted losses (padding weighs 0),
+    all rows and a prefix; other models (a projection head, an overridden forward,
+    convolutions) keep vmap."""
+    torch.manual_seed(0)
+    module = build()
+    model = group_sgd.GroupModel(FlatModel(module))
+    assert model.chain == chain
+    if chain is None:
+        return
+    g, b = 5, 4
+    model.buffer(g).copy_(model.flat.params + 0.3 * torch.randn(g, model.flat.size))
+    shape = (3, 6, 6) if isinstance(module, TwoNN) else (7,)
+    x, y = torch.randn(g, b, *shape), torch.randint(0, 4, (g, b))
+    weights = torch.rand(g, b)
+    weights[:, -1] = 0.0
+    for a in (g, 2):
+        for w in (None, weights[:a]):
+            losses, pieces = model.chain_pieces(a, x[:a], y[:a], w)
+            model.chain = None
+            want_losses, want = model.gradient_pieces(a, x[:a], y[:a], w)
+            model.chain = chain
+            torch.testing.assert_close(losses, want_losses)
+            assert [p.shape for p in pieces] == [p.shape for p in want]
+            for p, q in zip(pieces, want):
+                torch.testing.assert_close(p, q)
+            assert max(p.abs().max() for p in pieces) > 0
 
 
 GROUP_BATCH_CASES = [

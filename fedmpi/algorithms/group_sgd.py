@@ -66,6 +66,7 @@ class GroupModel:
                                      dtype=self.rows.dtype)
         self._grad_mean = vmap(grad_and_value(self._mean_loss))
         self._grad_weighted = vmap(grad_and_value(self._weighted_loss))
+        self.chain = linear_chain(flat)
 
     def _mean_loss(self, params, x, y):
         return F.cross_entropy(functional_call(self.flat.module, params, (x,)).float(), y)
@@ -107,6 +108,8 @@ class GroupModel:
     def gradient_pieces(self, a: int, x, y, weights, autocast=None):
         """``gradient`` as one [a, numel] piece per parameter in storage order, not yet
         concatenated: a plain step applies them where they are (``descend_pieces``)."""
+        if self.chain is not None and autocast is None:
+            return self.chain_pieces(a, x, y, weights)
         with torch.autocast(self.rows.device.type, dtype=autocast, enabled=autocast is not None):
             if weights is None:
                 grads, losses = self._grad_mean(self.params(a), x, y)
@@ -118,6 +121,39 @@ class GroupModel:
             pieces.append((g.permute(0, 1, 3, 4, 2) if nhwc else g).reshape(a, -1))
         return losses.detach(), pieces
 
+    def chain_pieces(self, a: int, x, y, weights):
+        """``gradient_pieces`` of a Linear-ReLU chain (``linear_chain``) by hand: the
+        forward as one batched matrix product a layer (bias added in it), the backward of
+        the mean (or weighted) cross-entropy written out (dz = softmax - onehot, scaled;
+        dW = dz^T h, db = sum dz, dh = dz W masked where the ReLU was off). About 30
+        operators a step, where ``vmap(grad)`` dispatches some 480 (views, slices and
+        transposes over the parameter rows): measured on a 2-core CPU, W2's 2NN round of
+        50 clients, 0.080 s against 0.114 s of local training."""
+        rows, b = self.rows, y.shape[1]
+        inputs, mats = [x.reshape(a, b, -1)], []
+        for i, (w_at, out, inp, b_at) in enumerate(self.chain):
+            mats.append(rows[:a, w_at:w_at + out * inp].view(a, out, inp))
+            z = torch.baddbmm(rows[:a, b_at:b_at + out].unsqueeze(1), inputs[-1],
+                              mats[-1].transpose(1, 2))
+            inputs.append(z.relu_() if i < len(self.chain) - 1 else z)
+        logp = torch.log_softmax(inputs.pop().float(), dim=-1)
+        picked = logp.gather(2, y.unsqueeze(2)).squeeze(2)
+        classes = torch.arange(logp.shape[-1], device=y.device)   # one_hot would sync a GPU
+        dz = logp.exp_().sub_((y.unsqueeze(2) == classes).to(logp.dtype))
+        if weights is None:
+            losses = picked.mean(dim=1).neg_()
+            dz.mul_(1.0 / b)
+        else:
+            losses = (picked * weights).sum(dim=1).neg_()
+            dz.mul_(weights.unsqueeze(2))
+        dz = dz.to(rows.dtype)
+        pieces = []
+        for i in range(len(self.chain) - 1, -1, -1):
+            pieces += [dz.sum(dim=1), torch.bmm(dz.transpose(1, 2), inputs[i]).view(a, -1)]
+            if i:
+                dz = torch.bmm(dz, mats[i]).masked_fill_(inputs[i] <= 0, 0.0)
+        return losses, pieces[::-1]
+
     def descend_pieces(self, a: int, pieces: list[torch.Tensor], lr, clip_norm: float) -> None:
         """The plain step (no correction, weight decay or momentum) of the first a rows,
         piece by piece: ``group_step``'s result without concatenating the gradient
@@ -128,6 +164,22 @@ class GroupModel:
             scale = torch.clamp(clip_norm / (norms + 1e-6), max=1.0).unsqueeze(1) * lr
         for (_, _, offset, numel, _), piece in zip(self.slots, pieces):
             _descend(self.rows[:a, offset:offset + numel], piece, scale)
+
+
+def linear_chain(flat: FlatModel) -> list[tuple[int, int, int, int]] | None:
+    """(weight offset, out, in, bias offset) of each layer where ``flat``'s model is a
+    Linear-ReLU chain over flattened inputs (the model's ``linear_chain``: the 2NN, the
+    tabular MLP) and these are all its parameters, in storage order; else None."""
+    layers = getattr(flat.module, "linear_chain", lambda: None)()
+    if not layers or any(layer.bias is None for layer in layers):
+        return None
+    names = {id(p): n for n, p in flat.module.named_parameters()}
+    slots = {s.name: s for s in flat.layout}
+    chain = [(slots[names[id(layer.weight)]].offset, layer.out_features, layer.in_features,
+              slots[names[id(layer.bias)]].offset) for layer in layers]
+    in_order = [off for w_at, _, _, b_at in chain for off in (w_at, b_at)]
+    stored = [s.offset for s in flat.layout if s.offset < flat.num_params]
+    return chain if in_order == stored else None
 
 
 def warm_up() -> None:
