@@ -326,12 +326,16 @@ def test_a_grouped_run_follows_the_sequential_run(tmp_path):
 
 @pytest.mark.slow
 @needs_mpi
-def test_deterministic_groups_are_bitwise_the_same_for_1_and_3_ranks(tmp_path):
+@pytest.mark.parametrize("model", [None, {"name": "2nn", "hidden": [16]}])
+def test_deterministic_groups_are_bitwise_the_same_for_1_and_3_ranks(tmp_path, model):
     """Groups are cut from the participants and placed whole, so the same groups train
     on any layout: 1 process and 3 ranks (2 workers, each with whole groups) write the
-    same bits (group "auto" would not: it depends on the number of workers)."""
-    config = write_config(tmp_path / "g.toml", algorithm={"name": "feddyn"},
-                          system={"deterministic": True, "client_group": 2}, rounds=2)
+    same bits (group "auto" would not: it depends on the number of workers); vmap's
+    kernels (TINY's CNN) and the 2NN's hand-written gradient alike."""
+    values = merged(TINY, algorithm={"name": "feddyn"},
+                    system={"deterministic": True, "client_group": 2}, rounds=2)
+    values["model"] = model or values["model"]
+    config = write_config(tmp_path / "g.toml", base=values)
     models = []
     for out in run_on_ranks(config, (1, 3), tmp_path).values():
         with RunFile(out) as run:

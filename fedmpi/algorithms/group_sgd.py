@@ -6,7 +6,8 @@ them. Here the G clients' parameters are the rows of one [G, d] buffer; each ste
 one batch from every client that still has steps to run, does one forward and one
 backward over all of them with per-client weights (the model's functional form under
 ``torch.func.vmap``: batched matrix products for linear layers, grouped convolutions for
-convolutions), and one update of all rows (``local_sgd.sgd_step``'s rule row by row:
+convolutions; a chain of Linear and ReLU layers, the 2NN, differentiated by hand with
+half vmap's operators), and one update of all rows (``local_sgd.sgd_step``'s rule row by row:
 per-client clipping, weight decay, momentum, the local schedule).
 
 Clients need not have equal step counts. The runtime hands a group in non-increasing
@@ -125,10 +126,10 @@ class GroupModel:
         """``gradient_pieces`` of a Linear-ReLU chain (``linear_chain``) by hand: the
         forward as one batched matrix product a layer (bias added in it), the backward of
         the mean (or weighted) cross-entropy written out (dz = softmax - onehot, scaled;
-        dW = dz^T h, db = sum dz, dh = dz W masked where the ReLU was off). About 30
-        operators a step, where ``vmap(grad)`` dispatches some 480 (views, slices and
-        transposes over the parameter rows): measured on a 2-core CPU, W2's 2NN round of
-        50 clients, 0.080 s against 0.114 s of local training."""
+        dW = dz^T h, db = sum dz, dh = dz W masked where the ReLU was off): half the
+        operators of ``vmap(grad)``, whose views and transposes over the parameter rows
+        cost more than the 2NN's small products (measured on a 2-core CPU, a W2 round of
+        50 2NN clients: 85-92 ms of local training against 118 ms)."""
         rows, b = self.rows, y.shape[1]
         inputs, mats = [x.reshape(a, b, -1)], []
         for i, (w_at, out, inp, b_at) in enumerate(self.chain):
