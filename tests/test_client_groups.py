@@ -197,6 +197,13 @@ def test_a_linear_relu_chain_has_a_hand_written_gradient_equal_to_vmaps(build, c
             for p, q in zip(pieces, want):
                 torch.testing.assert_close(p, q)
             assert max(p.abs().max() for p in pieces) > 0
+    # bf16 autocast keeps vmap: the chain's FP32 products would not be the bf16 step's
+    autocast, fp32 = (model.gradient_pieces(g, x, y, None, torch.bfloat16),
+                      model.chain_pieces(g, x, y, None))
+    model.chain = None
+    vmapped = model.gradient_pieces(g, x, y, None, torch.bfloat16)
+    assert all(torch.equal(p, q) for p, q in zip(autocast[1], vmapped[1]))
+    assert not torch.equal(autocast[0], fp32[0])
 
 
 GROUP_BATCH_CASES = [
