@@ -160,7 +160,7 @@ def profile_training(values: dict, repeat: int, top: int = 15) -> None:
     payload = {"x": world.flat.params.detach().clone()}
     variants = {"sequential": lambda: [alg.local_update(task, payload, None, ctx) for task in tasks],
                 "group": lambda: alg.local_update_group(tasks, payload, [None] * len(tasks), ctx)}
-    group_sgd.warm_up()
+    group_sgd.warm_up(world.flat, world.autocast)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
                                            if world.device.type == "cuda" else [])
     with numerics(world.device, config.system.precision, config.system.deterministic):

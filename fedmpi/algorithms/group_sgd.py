@@ -183,10 +183,12 @@ def linear_chain(flat: FlatModel) -> list[tuple[int, int, int, int]] | None:
     return chain if in_order == stored else None
 
 
-def warm_up() -> None:
-    """torch.func's first transform costs ~0.65 s of lazy imports and registrations
-    (measured on a 2-core CPU); a run with client groups pays it at setup, not in the
-    time of its first round."""
+def warm_up(flat: FlatModel, autocast=None) -> None:
+    """torch.func's first transform costs ~0.65-1 s of lazy imports and registrations
+    (measured on a 2-core CPU); a run whose groups use it pays it at setup, not in the
+    time of its first round. A Linear-ReLU chain in FP32 never calls it."""
+    if group_model(flat).chain is not None and autocast is None:
+        return
     step = vmap(grad_and_value(lambda p, x, y: F.cross_entropy(x @ p, y)))
     step(torch.zeros(1, 2, 2), torch.zeros(1, 1, 2), torch.zeros(1, 1, dtype=torch.long))
 

@@ -103,7 +103,7 @@ class Experiment:
         self.steps = -(-self.sizes // cfg.train.batch_size)
         self.group = self._client_group()
         if self.group > 1 and comm.is_worker:
-            group_sgd.warm_up()
+            group_sgd.warm_up(self.flat, self.autocast)
         self.ranks = comm.gather_obj(rank_info(comm, world), count=False)
         warning = kernels_warning(self.ranks) if comm.is_server and cfg.system.deterministic else None
         if warning:   # said with or without --quiet: it is about the results, not progress
