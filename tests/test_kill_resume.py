@@ -142,6 +142,26 @@ def test_sigkill_mid_round_resumes_with_fedmpi_alone(tmp_path, reference, ranks)
     assert not repair.inspect(out).open_for_write
 
 
+@needs_mpi
+def test_sigkill_of_a_grouped_run_resumes_to_the_same_bits(tmp_path):
+    """Client groups (system.client_group) under mpirun, killed mid-round: SCAFFOLD's
+    client state and the 2NN's groups (its hand-written gradient), resumed on 2 ranks,
+    give the bits of a single process that was never stopped."""
+    values = merged(TINY, **LONG, algorithm={"name": "scaffold"})
+    values.update(rounds=24, model={"name": "2nn", "hidden": [16]})
+    values["system"] = {**values["system"], "client_group": 2}
+    config = write_config(tmp_path / "grouped.toml", base=values)
+    ref = tmp_path / "grouped-ref.h5"
+    cli(["run", "-q", str(config), "-o", str(ref)])
+    proc, out = launch(tmp_path, 3, config)
+    wait_until(lambda: rounds_in(out) >= 10, "10 rounds", proc=proc)
+    os.kill(_rank_pids(proc.pid)[1], signal.SIGKILL)   # a worker, mid-round
+    proc.communicate(timeout=60)
+    assert proc.returncode != 0 and rounds_in(out) < 24
+    resume(out, 2)
+    assert_same_run(ref, out)
+
+
 def test_sigkill_while_a_checkpoint_is_written(tmp_path, reference):
     """Frozen (SIGSTOP) at a moment the writer is outside SWMR, which it is only to write a
     checkpoint here, then killed: the slot being written is torn, the current one is not."""
