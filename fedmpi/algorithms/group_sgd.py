@@ -7,8 +7,8 @@ one batch from every client that still has steps to run, does one forward and on
 backward over all of them with per-client weights (the model's functional form under
 ``torch.func.vmap``: batched matrix products for linear layers, grouped convolutions for
 convolutions; a chain of Linear and ReLU layers, the 2NN, differentiated by hand with
-half vmap's operators), and one update of all rows (``local_sgd.sgd_step``'s rule row by row:
-per-client clipping, weight decay, momentum, the local schedule).
+half vmap's operators), and one update of all rows (``local_sgd.sgd_step``'s rule row
+by row: per-client clipping, weight decay, momentum, the local schedule).
 
 Clients need not have equal step counts. The runtime hands a group in non-increasing
 order of steps (``fedmpi.runtime.plan.groups``), so the clients still training at step k
