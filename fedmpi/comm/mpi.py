@@ -61,6 +61,29 @@ def host_pickle(obj, what: str) -> bytes:
     return buffer.getvalue()
 
 
+def send_buffer(parts: list[np.ndarray], dtype) -> tuple[np.ndarray, np.ndarray]:
+    """(one 1-D buffer, each part's offset in it) for a vector collective: where every
+    part is a slice of the same contiguous 1-D array of ``dtype``, that array, not a copy
+    (``fedmpi.runtime.gram`` packs its transpose so: 112 MB a worker at ResNet-18 size);
+    otherwise the parts concatenated."""
+    roots = {id(_root(p)) for p in parts if p.size}
+    if len(roots) == 1 and all(p.dtype == dtype for p in parts):
+        root = next(_root(p) for p in parts if p.size)
+        if root.ndim == 1 and root.dtype == dtype and root.flags.c_contiguous:
+            return root, np.array([(p.ctypes.data - root.ctypes.data) // root.itemsize
+                                   if p.size else 0 for p in parts], dtype=np.int64)
+    sizes = np.array([p.size for p in parts], dtype=np.int64)
+    buffer = np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
+    return buffer, np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+
+
+def _root(a: np.ndarray) -> np.ndarray:
+    """The array that owns ``a``'s memory (``a`` itself if it owns it)."""
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return a
+
+
 class MPIComm(Comm):
     def __init__(self, comm=None, max_sleep: float = 0.005):
         # Open MPI queries every one-sided (osc) component when a window is made, and its
@@ -149,6 +172,8 @@ class MPIComm(Comm):
         return np.split(recv, np.cumsum(counts)[:-1])
 
     def alltoallv(self, parts):
+        """Parts that are pieces of one contiguous array (``send_buffer``) are sent from
+        it where they are; others are first copied into one."""
         send = [np.ascontiguousarray(as_array(p)).reshape(-1) for p in parts]
         if len(send) != self.size:
             raise ValueError(f"alltoallv needs {self.size} parts, got {len(send)}")
@@ -157,9 +182,8 @@ class MPIComm(Comm):
         self._arrive()
         with Stopwatch(self.ledger, "comm_seconds"):
             rcounts = np.array(self.comm.alltoall(counts.tolist()), dtype=np.int64)
-            sbuf = np.concatenate(send).astype(dtype, copy=False) if send else np.zeros(0, dtype)
+            sbuf, sdispl = send_buffer(send, dtype)
             rbuf = np.empty(int(rcounts.sum()), dtype=dtype)
-            sdispl = np.concatenate([[0], np.cumsum(counts)[:-1]])
             rdispl = np.concatenate([[0], np.cumsum(rcounts)[:-1]])
             self.comm.Alltoallv([sbuf, (counts, sdispl)], [rbuf, (rcounts, rdispl)])
         itemsize = np.dtype(dtype).itemsize

@@ -46,6 +46,21 @@ led = comm.ledger.take()
 check("alltoallv bytes", (led.sent, led.received) ==
       (4 * (r + 1) * (n - 1), 4 * (sum(range(1, n + 1)) - (r + 1))))
 
+# the same parts as slices of one buffer, out of rank order and with a gap (sent from it
+# in place), and empty parts among them
+buffer = np.zeros(3 * n * (n + 1), dtype=np.float32)
+parts, at = [None] * n, 0
+for dest in reversed(range(n)):
+    size = 0 if dest == r else r + 1
+    buffer[at:at + size] = 100.0 * r + dest
+    parts[dest], at = buffer[at:at + size], at + size + 2
+got = comm.alltoallv(parts)
+check("alltoallv from one buffer", [g.tolist() for g in got] ==
+      [[100.0 * src + r] * (0 if src == r else src + 1) for src in range(n)])
+led = comm.ledger.take()
+check("alltoallv from one buffer bytes", (led.sent, led.received) ==
+      (4 * (r + 1) * (n - 1), 4 * (sum(range(1, n + 1)) - (r + 1))))
+
 a = np.ones(5)
 comm.allreduce_sum(a)
 check("allreduce", np.all(a == n))
