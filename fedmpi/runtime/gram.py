@@ -25,8 +25,9 @@ Blocks and every summation order depend on d and the client ids alone, so G and 
 are the same bits for any number of workers (deterministic mode runs one thread per
 rank, so each block's product runs the same kernel). The products are most of the cost
 (``benchmarks/gram.py``; d = 11.2M, K = 10, a 2-core AVX-512 CPU): under ``mpirun -n 3``
-the path takes 1.93-1.96x a FedAvg reduce (2.14x when the transpose was packed twice),
-the products alone 0.7x; with one worker (``-n 2``) 3.7-3.9x, the products alone 2.1x.
+the path takes 1.93-2.08x a FedAvg reduce (2.13-2.15x when the transpose was packed
+twice), the products alone 0.7x; with one worker (``-n 2``) 3.7-3.9x, the products
+alone 2.1x.
 """
 
 from __future__ import annotations
