@@ -69,6 +69,9 @@ class GroupModel:
         self._grad_mean = vmap(grad_and_value(self._mean_loss))
         self._grad_weighted = vmap(grad_and_value(self._weighted_loss))
         self.chain = linear_chain(flat)
+        # the chain's class ids, for its one-hot (F.one_hot would sync a GPU every step)
+        self.classes = None if self.chain is None else \
+            torch.arange(self.chain[-1][1], device=self.rows.device)
 
     def _mean_loss(self, params, x, y):
         return F.cross_entropy(functional_call(self.flat.module, params, (x,)).float(), y)
@@ -140,8 +143,7 @@ class GroupModel:
             inputs.append(z.relu_() if i < len(self.chain) - 1 else z)
         logp = torch.log_softmax(inputs.pop().float(), dim=-1)
         picked = logp.gather(2, y.unsqueeze(2)).squeeze(2)
-        classes = torch.arange(logp.shape[-1], device=y.device)   # one_hot would sync a GPU
-        dz = logp.exp_().sub_((y.unsqueeze(2) == classes).to(logp.dtype))
+        dz = logp.exp_().sub_((y.unsqueeze(2) == self.classes).to(logp.dtype))
         if weights is None:
             losses = picked.mean(dim=1).neg_()
             dz.mul_(1.0 / b)

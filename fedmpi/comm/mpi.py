@@ -66,9 +66,9 @@ def send_buffer(parts: list[np.ndarray], dtype) -> tuple[np.ndarray, np.ndarray]
     part is a slice of the same contiguous 1-D array of ``dtype``, that array, not a copy
     (``fedmpi.runtime.gram`` packs its transpose so: 112 MB a worker at ResNet-18 size);
     otherwise the parts concatenated."""
-    roots = {id(_root(p)) for p in parts if p.size}
+    roots = {id(r): r for r in (_root(p) for p in parts if p.size)}
     if len(roots) == 1 and all(p.dtype == dtype for p in parts):
-        root = next(_root(p) for p in parts if p.size)
+        (root,) = roots.values()
         if root.ndim == 1 and root.dtype == dtype and root.flags.c_contiguous:
             return root, np.array([(p.ctypes.data - root.ctypes.data) // root.itemsize
                                    if p.size else 0 for p in parts], dtype=np.int64)
