@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from fedmpi.comm.mpi import MPIComm
-from fedmpi.runtime.gram import BLOCK, block_ranges, weighted_sum
+from fedmpi.runtime.gram import BLOCK, block_ranges, owned_blocks, weighted_sum
 
 
 def main() -> None:
@@ -39,7 +39,9 @@ def main() -> None:
     mine = [torch.randn(d, generator=torch.Generator().manual_seed(int(c)))
             for c in assignment[comm.worker_index]] if comm.is_worker else []
     results = {"fedavg": [], "gram": [], "products": []}
-    owned = block_ranges(d)[comm.worker_index::workers] if comm.is_worker else []
+    blocks = block_ranges(d)
+    owned = [blocks[b] for b in owned_blocks(len(blocks), comm.worker_index, workers)
+             ] if comm.is_worker else []
     buffer = torch.randn(k * min(BLOCK, d), dtype=torch.float64)   # one block of K vectors
     moved = {}
     for _ in range(args.repeat):

@@ -16,26 +16,21 @@ def test_mpi_collectives_and_ledger(n):
     assert report["failures"] == [[] for _ in range(n)]
 
 
-def test_parts_of_one_buffer_are_sent_from_it_and_others_are_packed():
-    """The Alltoallv's send buffer: parts that are slices of one contiguous array (as
-    fedmpi.runtime.gram packs its transpose) are sent from that array, at their offsets,
-    with no copy; anything else (separate arrays, a strided or 2-D owner, another dtype)
-    is concatenated as before."""
+def test_a_part_in_pieces_is_received_as_the_pieces_back_to_back():
+    """alltoallv's part: one array, or a list of pieces (arrays, torch tensors, strided
+    views, empty ones) that arrive as one array; a rank's own part too, in one process
+    (the pieces under mpirun: tests/mpi_scripts/comm_check.py)."""
     import numpy as np
+    import torch
 
-    from fedmpi.comm.mpi import send_buffer
+    from fedmpi.comm import LocalComm
+    from fedmpi.comm.base import joined, pieces
 
-    owner = np.arange(20, dtype=np.float32)
-    parts = [owner[12:15], owner[0:0], owner[3:7], owner[15:15]]
-    buffer, offsets = send_buffer(parts, np.float32)
-    assert buffer is owner and offsets.tolist() == [12, 0, 3, 0]
-    wide = owner.astype(np.float64)
-    for others in ([np.ones(2, np.float32), owner[:3]],                    # two owners
-                   [owner[::2][:3], owner[10:12]],                          # a strided copy
-                   [wide[:2], wide[4:6]]):                                  # another dtype
-        got, offsets = send_buffer([np.ascontiguousarray(p) for p in others], np.float32)
-        assert got is not owner and got.dtype == np.float32
-        assert got.tolist() == np.concatenate(others).astype(np.float32).tolist()
-        assert offsets.tolist() == [0, len(others[0])]
-    grid = np.zeros((2, 4), np.float32)
-    assert send_buffer([grid.reshape(-1)[:2], grid.reshape(-1)[4:]], np.float32)[0] is not grid
+    grid = np.arange(12, dtype=np.float32).reshape(3, 4)
+    part = [grid[:, 1], np.zeros(0, np.float32), torch.tensor([7.5, 8.5]), grid[2]]
+    assert [p.tolist() for p in pieces(part)] == [[1, 5, 9], [], [7.5, 8.5], [8, 9, 10, 11]]
+    assert len(pieces(grid[0])) == 1 and np.shares_memory(pieces(grid[0])[0], grid)
+    (got,) = LocalComm().alltoallv([part])
+    assert got.dtype == np.float32 and got.tolist() == [1, 5, 9, 7.5, 8.5, 8, 9, 10, 11]
+    assert LocalComm().alltoallv([grid[1]])[0].tolist() == [4, 5, 6, 7]
+    assert joined([]).tolist() == [] and joined(np.ones(2)).dtype == np.float64

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fedmpi.comm import LocalComm
-from fedmpi.comm.base import Comm, as_array
+from fedmpi.comm.base import Comm, as_array, joined
 from fedmpi.runtime.gram import BLOCK, block_ranges, weighted_sum
 
 
@@ -38,7 +38,7 @@ class ThreadComm(Comm):
         return got
 
     def alltoallv(self, parts):
-        got = self._exchange([np.array(as_array(p), copy=True) for p in parts])
+        got = self._exchange([joined(p) for p in parts])
         return [got[r][self.rank] for r in range(self.size)]
 
     def gatherv(self, sendbuf, root=0):

@@ -47,6 +47,18 @@ def as_array(buf) -> np.ndarray:
     return buf
 
 
+def pieces(part) -> list[np.ndarray]:
+    """A part of ``alltoallv`` as its list of 1-D arrays (a single array is one piece)."""
+    return [as_array(p).reshape(-1) for p in (part if isinstance(part, (list, tuple)) else [part])]
+
+
+def joined(part) -> np.ndarray:
+    """A part of ``alltoallv``, its pieces copied back to back into one new 1-D array
+    (float32 and empty for a part with no pieces)."""
+    arrays = pieces(part)
+    return np.concatenate(arrays) if arrays else np.zeros(0, np.float32)
+
+
 class Comm:
     """What the runtime needs from a communicator. Rank 0 is the server.
 
@@ -79,9 +91,11 @@ class Comm:
     def reduce_sum(self, sendbuf, recvbuf, root: int = 0) -> None: ...
     def allreduce_sum(self, buf) -> None: ...
     def gatherv(self, sendbuf: np.ndarray, root: int = 0) -> list[np.ndarray] | None: ...
-    def alltoallv(self, parts: list[np.ndarray]) -> list[np.ndarray]:
-        """Every rank sends ``parts[r]`` (1-D, one dtype, any length) to rank r and
-        returns what each rank sent it, in rank order."""
+    def alltoallv(self, parts: list) -> list[np.ndarray]:
+        """Every rank sends ``parts[r]`` to rank r and returns what each rank sent it, in
+        rank order, one 1-D array per rank. A part is a 1-D array or a list of them
+        (pieces, sent back to back without being copied into one first). Every array
+        of the call, on every rank, has one dtype."""
         ...
     def gather_obj(self, obj, root: int = 0, count: bool = True) -> list | None: ...
     def scatter_obj(self, objs: list | None, root: int = 0): ...

@@ -46,20 +46,34 @@ led = comm.ledger.take()
 check("alltoallv bytes", (led.sent, led.received) ==
       (4 * (r + 1) * (n - 1), 4 * (sum(range(1, n + 1)) - (r + 1))))
 
-# the same parts as slices of one buffer, out of rank order and with a gap (sent from it
-# in place), and empty parts among them
-buffer = np.zeros(3 * n * (n + 1), dtype=np.float32)
-parts, at = [None] * n, 0
+# the same values in pieces, each sent where it is, received back to back: several
+# pieces a part, empty ones among them, a strided view, a torch tensor, slices of one
+# array out of order; the part for itself too, and nothing at all (an empty list)
+grid = np.empty((n, 2 * (n + 1)), np.float32)
+parts = [[] for _ in range(n)]
 for dest in reversed(range(n)):
-    size = 0 if dest == r else r + 1
-    buffer[at:at + size] = 100.0 * r + dest
-    parts[dest], at = buffer[at:at + size], at + size + 2
+    if dest == (r + 1) % n and n > 2:
+        continue                               # r sends r + 1 nothing: no pieces
+    count = r + 1
+    grid[dest] = 100.0 * r + dest
+    parts[dest] = [grid[dest, ::2][:count // 2],   # strided
+                   np.zeros(0, np.float32), torch.full((count - count // 2,), 100.0 * r + dest + 0.25)]
 got = comm.alltoallv(parts)
-check("alltoallv from one buffer", [g.tolist() for g in got] ==
-      [[100.0 * src + r] * (0 if src == r else src + 1) for src in range(n)])
+sends_to_me = [0 if r == (src + 1) % n and n > 2 else src + 1 for src in range(n)]
+check("alltoallv pieces", [g.tolist() for g in got] ==
+      [[100.0 * src + r] * (c // 2) + [100.0 * src + r + 0.25] * (c - c // 2)
+       for src, c in enumerate(sends_to_me)])
+check("alltoallv pieces dtype", all(g.dtype == np.float32 for g in got))
 led = comm.ledger.take()
-check("alltoallv from one buffer bytes", (led.sent, led.received) ==
-      (4 * (r + 1) * (n - 1), 4 * (sum(range(1, n + 1)) - (r + 1))))
+sent_to = [0 if (dest == (r + 1) % n and n > 2) or dest == r else r + 1 for dest in range(n)]
+check("alltoallv pieces bytes", (led.sent, led.received) ==
+      (4 * sum(sent_to), 4 * (sum(sends_to_me) - sends_to_me[r])))
+got = comm.alltoallv([[np.full(3, r + 0.5)] if dest == 0 and r > 0 else [] for dest in range(n)])
+check("alltoallv float64 to a rank that sends nothing",
+      (n == 1 or [g.dtype for g in got] == [np.float64] * n)   # n = 1: no piece anywhere
+      and [g.tolist() for g in got] == ([[]] + [[src + 0.5] * 3 for src in range(1, n)]
+                                        if r == 0 else [[]] * n))
+comm.ledger.take()
 
 a = np.ones(5)
 comm.allreduce_sum(a)
