@@ -1,5 +1,6 @@
 """Run under mpirun: fedmpi.runtime.gram against a single-process computation of the same
-vectors (bitwise) and against float64 numpy (closed form), with blocks of 7 coordinates."""
+vectors (bitwise) and against float64 numpy (closed form), with blocks of 7 coordinates;
+d = 53 (8 blocks) unless argv[1] gives another (20: 3 blocks, fewer than 4 workers)."""
 
 import json
 import sys
@@ -11,7 +12,7 @@ from fedmpi.comm import LocalComm
 from fedmpi.comm.mpi import MPIComm
 from fedmpi.runtime.gram import weighted_sum
 
-D, BLOCK = 53, 7
+D, BLOCK = int(sys.argv[1]) if len(sys.argv) > 1 else 53, 7
 CLIENTS = [4, 0, 9, 2, 7]                     # ids, not positions
 vectors = {c: torch.randn(D, generator=torch.Generator().manual_seed(c)) for c in CLIENTS}
 
