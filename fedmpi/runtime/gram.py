@@ -27,10 +27,11 @@ Blocks and every summation order depend on d and the client ids alone, so G and 
 are the same bits for any number of workers (deterministic mode runs one thread per
 rank, so each block's product runs the same kernel). The products are most of the cost
 (``benchmarks/gram.py``; d = 11.2M, K = 10, a 2-core AVX-512 CPU): under ``mpirun -n 3``
-the path takes 1.81-1.92x a FedAvg reduce (1.93-2.08x when the transpose was packed into
-one buffer and sent by an Alltoallv, which moved it at half the speed of messages from
-the vectors; 2.13-2.15x when it was packed twice), the products alone 0.7x; with one
-worker (``-n 2``) 3.7-4.1x, the products alone 2.1x.
+the path takes a median 1.90x a FedAvg reduce over 15 runs (1.79-2.09x, one outlier at
+2.7x), where packing the transpose into one buffer for an Alltoallv, which moved it at
+half the speed of messages from the vectors, took 2.11x (1.92-2.42x) in the same runs;
+the products alone take 0.7x. With one worker (``-n 2``) it is 3.7-4.1x, the products
+alone 2.1x.
 """
 
 from __future__ import annotations
