@@ -331,6 +331,16 @@ def test_a_grouped_run_follows_the_sequential_run(tmp_path):
         assert grouped.config["system"]["client_group"] == 3
 
 
+@pytest.mark.parametrize("model", [{}, {"name": "2nn", "hidden": [16]}])
+def test_a_grouped_run_that_diverges_stops_as_a_sequential_one_does(tmp_path, model):
+    """NaN/Inf from a group (vmap's CNN, the 2NN's hand-written gradient) reaches the
+    divergence check like a sequential client's: the file says failed at round 1."""
+    with run_tiny(tmp_path, "nan", model=model, train={"lr": 1e30, "clip_norm": 0.0},
+                  system={"threads": 1, "client_group": 3}) as run:
+        assert run.status == "failed" and run.attrs["failed_round"] == 1
+        assert run.attrs["client_group"] == 3 and "diverged at round 1" in run.attrs["error"]
+
+
 @pytest.mark.slow
 @needs_mpi
 @pytest.mark.parametrize("model", [None, {"name": "2nn", "hidden": [16]}])
