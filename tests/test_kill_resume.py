@@ -22,7 +22,7 @@ from fedmpi.results import RunFile, repair
 from fedmpi.runtime import EXIT_PREEMPTED, run_experiment
 
 from conftest import ROOT, fedmpi, mpirun, mpirun_path, needs_mpi
-from helpers import TINY, merged, write_config
+from helpers import SSL, TINY, merged, write_config
 
 # ~15 ms a round on one process (~40 ms on 3 ranks here): the tests stop it at round 3 or
 # 10, and 50 rounds later it would end by itself
@@ -159,6 +159,25 @@ def test_sigkill_of_a_grouped_run_resumes_to_the_same_bits(tmp_path):
     proc.communicate(timeout=60)
     assert proc.returncode != 0 and rounds_in(out) < 24
     resume(out, 2)
+    assert_same_run(ref, out)
+
+
+@needs_mpi
+def test_sigkill_of_a_fedu2_run_resumes_to_the_same_bits(tmp_path):
+    """FedU^2 under mpirun (EUA's Gram path, its transpose sent between the two workers),
+    a worker killed mid-run, resumed on 4 ranks (three workers own other runs of blocks):
+    the bits of a single process that was never stopped."""
+    values = merged(SSL, rounds=16, algorithm={"name": "fedu2"})
+    values["system"] = {**values["system"], "checkpoint_every": 3}
+    config = write_config(tmp_path / "fedu2.toml", base=values)
+    ref = tmp_path / "fedu2-ref.h5"
+    cli(["run", "-q", str(config), "-o", str(ref)])
+    proc, out = launch(tmp_path, 3, config)
+    wait_until(lambda: rounds_in(out) >= 7, "7 rounds", proc=proc)
+    os.kill(_rank_pids(proc.pid)[1], signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert proc.returncode != 0 and rounds_in(out) < 16
+    resume(out, 4)
     assert_same_run(ref, out)
 
 
