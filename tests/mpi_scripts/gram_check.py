@@ -1,6 +1,7 @@
 """Run under mpirun: fedmpi.runtime.gram against a single-process computation of the same
 vectors (bitwise) and against float64 numpy (closed form), with blocks of 7 coordinates;
-d = 53 (8 blocks) unless argv[1] gives another (20: 3 blocks, fewer than 4 workers)."""
+d = 53 (8 blocks) unless argv[1] gives another (20: 3 blocks, fewer than 4 workers), and
+5 clients unless argv[2] gives fewer (2: workers without clients)."""
 
 import json
 import sys
@@ -13,7 +14,7 @@ from fedmpi.comm.mpi import MPIComm
 from fedmpi.runtime.gram import weighted_sum
 
 D, BLOCK = int(sys.argv[1]) if len(sys.argv) > 1 else 53, 7
-CLIENTS = [4, 0, 9, 2, 7]                     # ids, not positions
+CLIENTS = [4, 0, 9, 2, 7][:int(sys.argv[2]) if len(sys.argv) > 2 else 5]   # ids, not positions
 vectors = {c: torch.randn(D, generator=torch.Generator().manual_seed(c)) for c in CLIENTS}
 
 
