@@ -142,6 +142,21 @@ def test_sigkill_mid_round_resumes_with_fedmpi_alone(tmp_path, reference, ranks)
     assert not repair.inspect(out).open_for_write
 
 
+def kill_a_worker_and_resume(tmp_path, values: dict, after: int, ranks: int) -> None:
+    """``values`` run once whole (one process), then under ``mpirun -n 3`` with a worker
+    killed (SIGKILL) after ``after`` rounds, then resumed on ``ranks``: the same bits."""
+    config = write_config(tmp_path / "killed.toml", base=values)
+    ref = tmp_path / "killed-ref.h5"
+    cli(["run", "-q", str(config), "-o", str(ref)])
+    proc, out = launch(tmp_path, 3, config)
+    wait_until(lambda: rounds_in(out) >= after, f"{after} rounds", proc=proc)
+    os.kill(_rank_pids(proc.pid)[1], signal.SIGKILL)   # a worker, mid-round
+    proc.communicate(timeout=60)
+    assert proc.returncode != 0 and rounds_in(out) < values["rounds"]
+    resume(out, ranks)
+    assert_same_run(ref, out)
+
+
 @needs_mpi
 def test_sigkill_of_a_grouped_run_resumes_to_the_same_bits(tmp_path):
     """Client groups (system.client_group) under mpirun, killed mid-round: SCAFFOLD's
@@ -150,16 +165,7 @@ def test_sigkill_of_a_grouped_run_resumes_to_the_same_bits(tmp_path):
     values = merged(TINY, **LONG, algorithm={"name": "scaffold"})
     values.update(rounds=24, model={"name": "2nn", "hidden": [16]})
     values["system"] = {**values["system"], "client_group": 2}
-    config = write_config(tmp_path / "grouped.toml", base=values)
-    ref = tmp_path / "grouped-ref.h5"
-    cli(["run", "-q", str(config), "-o", str(ref)])
-    proc, out = launch(tmp_path, 3, config)
-    wait_until(lambda: rounds_in(out) >= 10, "10 rounds", proc=proc)
-    os.kill(_rank_pids(proc.pid)[1], signal.SIGKILL)   # a worker, mid-round
-    proc.communicate(timeout=60)
-    assert proc.returncode != 0 and rounds_in(out) < 24
-    resume(out, 2)
-    assert_same_run(ref, out)
+    kill_a_worker_and_resume(tmp_path, values, after=10, ranks=2)
 
 
 @needs_mpi
@@ -169,16 +175,7 @@ def test_sigkill_of_a_fedu2_run_resumes_to_the_same_bits(tmp_path):
     the bits of a single process that was never stopped."""
     values = merged(SSL, rounds=16, algorithm={"name": "fedu2"})
     values["system"] = {**values["system"], "checkpoint_every": 3}
-    config = write_config(tmp_path / "fedu2.toml", base=values)
-    ref = tmp_path / "fedu2-ref.h5"
-    cli(["run", "-q", str(config), "-o", str(ref)])
-    proc, out = launch(tmp_path, 3, config)
-    wait_until(lambda: rounds_in(out) >= 7, "7 rounds", proc=proc)
-    os.kill(_rank_pids(proc.pid)[1], signal.SIGKILL)
-    proc.communicate(timeout=60)
-    assert proc.returncode != 0 and rounds_in(out) < 16
-    resume(out, 4)
-    assert_same_run(ref, out)
+    kill_a_worker_and_resume(tmp_path, values, after=7, ranks=4)
 
 
 def test_sigkill_while_a_checkpoint_is_written(tmp_path, reference):
