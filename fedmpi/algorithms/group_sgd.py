@@ -110,10 +110,14 @@ class GroupModel:
         torch.cat(pieces, dim=1, out=self.grad_rows[:a])
         return losses, self.grad_rows[:a]
 
+    def by_hand(self, autocast=None) -> bool:
+        """Whether a step is ``chain_pieces`` (a Linear-ReLU chain in FP32), not vmap's."""
+        return self.chain is not None and autocast is None
+
     def gradient_pieces(self, a: int, x, y, weights, autocast=None):
         """``gradient`` as one [a, numel] piece per parameter in storage order, not yet
         concatenated: a plain step applies them where they are (``descend_pieces``)."""
-        if self.chain is not None and autocast is None:
+        if self.by_hand(autocast):
             return self.chain_pieces(a, x, y, weights)
         with torch.autocast(self.rows.device.type, dtype=autocast, enabled=autocast is not None):
             if weights is None:
@@ -190,7 +194,7 @@ def warm_up(flat: FlatModel, autocast=None) -> None:
     """torch.func's first transform costs ~0.65-1 s of lazy imports and registrations
     (measured on a 2-core CPU); a run whose groups use it pays it at setup, not in the
     time of its first round. A Linear-ReLU chain in FP32 never calls it."""
-    if group_model(flat).chain is not None and autocast is None:
+    if group_model(flat).by_hand(autocast):
         return
     step = vmap(grad_and_value(lambda p, x, y: F.cross_entropy(x @ p, y)))
     step(torch.zeros(1, 2, 2), torch.zeros(1, 1, 2), torch.zeros(1, 1, dtype=torch.long))

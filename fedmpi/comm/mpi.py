@@ -185,7 +185,7 @@ class MPIComm(Comm):
                     requests += [self.comm.Isend(p, dest=dest, tag=PIECE_TAG) for p in part]
             self.MPI.Request.Waitall(requests)
         itemsize = dtype.itemsize
-        self.ledger.sent += (sum(p.size for part in send for p in part)
+        self.ledger.sent += (sum(p.size for p in send_any)
                              - sum(p.size for p in send[self.rank])) * itemsize
         self.ledger.received += (sum(counts) - counts[self.rank]) * itemsize
         return received
