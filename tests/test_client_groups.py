@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 from fedmpi import algorithms
 from fedmpi import config as cfg
@@ -19,6 +20,7 @@ from fedmpi.data.augment import ClientSkew
 from fedmpi.errors import UsageError
 from fedmpi.flat import FlatModel
 from fedmpi.models import build_model, group_problem
+from fedmpi.models.classifier import Classifier
 from fedmpi.models.mlp import TwoNN
 from fedmpi.results import RunFile
 from fedmpi.runtime import run_experiment
@@ -31,6 +33,10 @@ from helpers import TINY, merged, write_config
 GROUPED = sorted(n for n, c in algorithms.REGISTRY.items() if c.trains_in_groups())
 # float rounding of batched kernels against one client's: a few ulps of the weights per step
 TOL = dict(rtol=1e-4, atol=1e-5)
+
+# TINY's CNN and the 2NN train by their hand-written gradients; a projection head makes
+# the CNN no chain of plain layers, so torch.func.vmap differentiates it
+GROUP_FORMS = [None, {**TINY["model"], "proj_dim": 4}, {"name": "2nn", "hidden": [16]}]
 
 
 class Samples(ClientData):
@@ -83,7 +89,9 @@ def payload_of(alg, flat, ctx):
 def both_paths(name, ctx, sizes=(9, 9, 6, 3), model="cnn", channels_last=False, params=None):
     """Sequential uploads and group uploads of the same clients (sizes non-increasing)."""
     alg = algorithms.build(name, params or {})
-    flat = flat_model(model, channels_last)
+    flat = flat_model(model.removesuffix("-vmap"), channels_last)
+    if model.endswith("-vmap"):   # a model torch.func differentiates, not group_chain
+        group_sgd.group_model(flat).chain = None
     data = clients(sizes)
     tasks = [ClientTask(client=i, data=dt, model=flat, device=torch.device("cpu"))
              for i, dt in enumerate(data)]
@@ -120,12 +128,13 @@ def test_every_method_with_a_local_sgd_update_trains_in_groups():
                        "fednova", "fedprox", "fedsam", "mofedsam", "scaffold"]
 
 
-@pytest.mark.parametrize("model", ["cnn", "2nn"])
+@pytest.mark.parametrize("model", ["cnn", "cnn-vmap", "2nn"])
 @pytest.mark.parametrize("name", GROUPED)
 def test_group_form_equals_the_sequential_local_update(name, model):
     """Unequal clients (two full, one with a short last batch, one with fewer steps): each
-    client's delta, loss, steps, contribution, gathered values and new state; for a
-    convolutional network (vmap) and a Linear-ReLU chain (the hand-written gradient)."""
+    client's delta, loss, steps, contribution, gathered values and new state; for the
+    CNN and the 2NN (their hand-written gradients) and the CNN under torch.func.vmap (as
+    a model that is no chain of plain layers trains)."""
     assert_same_uploads(*both_paths(name, context(clip_norm=1.0), model=model))
 
 
@@ -147,7 +156,8 @@ def test_group_corrections_with_their_own_state(name, params):
     assert_same_uploads(*both_paths(name, context(), params=params))
 
 
-@pytest.mark.parametrize("model,channels_last", [("cnn", True), ("2nn", False)])
+@pytest.mark.parametrize("model,channels_last", [("cnn", True), ("cnn-vmap", True),
+                                                  ("2nn", False)])
 def test_group_form_for_the_models_and_layouts(model, channels_last):
     assert_same_uploads(*both_paths("fedprox", context(), model=model,
                                     channels_last=channels_last))
@@ -160,33 +170,74 @@ class Wider(TwoNN):
         return 2 * super().features(x)
 
 
-@pytest.mark.parametrize("build,chain", [
-    (lambda: build_model("2nn", 3, 4, 6, hidden=[12]), [(0, 12, 108, 1296), (1308, 4, 12, 1356)]),
-    (lambda: build_model("mlp", 7, 4, 1, hidden=[]), [(0, 4, 7, 28)]),
-    (lambda: build_model("mlp", 7, 4, 1, hidden=[5, 6, 3]), [(0, 5, 7, 35), (40, 6, 5, 70),
-                                                            (76, 3, 6, 94), (97, 4, 3, 109)]),
-    (lambda: build_model("mlp", 7, 4, 1, hidden=[5], proj_dim=3), None),
-    (lambda: Wider(1, 4, 6, hidden=(5,)), None),
-    (lambda: build_model("cnn", 1, 4, 16, hidden=16, channels=[3, 4]), None)])
-def test_a_linear_relu_chain_has_a_hand_written_gradient_equal_to_vmaps(build, chain):
-    """Where the model is a Linear-ReLU chain over flattened inputs and nothing else (the
-    2NN, the tabular MLP), a group differentiates it by hand; its losses and gradient
-    pieces are vmap(grad)'s up to rounding: mean and weighted losses (padding weighs 0),
-    all rows and a prefix; other models (a projection head, an overridden forward,
-    convolutions) keep vmap."""
+class Strided(Classifier):
+    """A chain with what the McMahan CNN lacks: strides, padding, dilation, a pool with
+    its own stride, padding and ceil_mode, no ReLU before one pool, three channels."""
+
+    def __init__(self, conv=None, pool=None):
+        super().__init__()
+        self.body = nn.Sequential(
+            conv or nn.Conv2d(3, 4, 3, stride=2, padding=1), nn.ReLU(),
+            pool or nn.MaxPool2d(3, stride=2, padding=1, ceil_mode=True),
+            nn.Conv2d(4, 5, 3, padding=2, dilation=2), nn.MaxPool2d(2), nn.ReLU(),
+            nn.Flatten(), nn.Linear(20, 6), nn.ReLU())
+        self.classifier = nn.Linear(6, 4)
+
+    def features(self, x):
+        return self.body(x)
+
+    def chain(self):
+        return list(self.body) + [self.classifier]
+
+
+def kinds(chain):
+    return None if chain is None else " ".join(layer.kind for layer in chain)
+
+
+CNN_KINDS = "conv pool relu conv pool relu flatten linear relu linear"
+
+
+@pytest.mark.parametrize("build,shape,expected", [
+    (lambda: build_model("2nn", 3, 4, 6, hidden=[12]), (3, 6, 6), "linear relu linear"),
+    (lambda: build_model("mlp", 7, 4, 1, hidden=[]), (7,), "linear"),
+    (lambda: build_model("mlp", 7, 4, 1, hidden=[5, 6, 3]), (7,),
+     "linear relu linear relu linear relu linear"),
+    (lambda: build_model("mlp", 7, 4, 1, hidden=[5], proj_dim=3), (7,), None),
+    (lambda: Wider(1, 4, 6, hidden=(5,)), (1, 6, 6), None),
+    (lambda: build_model("cnn", 1, 4, 16, hidden=16, channels=[3, 4]), (1, 16, 16), CNN_KINDS),
+    (lambda: build_model("cnn", 3, 4, 16, hidden=16, channels=[3, 4]), (3, 16, 16), CNN_KINDS),
+    (lambda: build_model("cnn", 1, 4, 16, hidden=16, channels=[3, 4], proj_dim=3), (1, 16, 16),
+     None),
+    (lambda: Strided(), (3, 16, 16), "conv pool relu conv pool relu flatten linear relu linear"),
+    (lambda: Strided(conv=nn.Conv2d(3, 4, 3, stride=2, padding=1, bias=False)), (3, 16, 16),
+     None),
+    (lambda: Strided(conv=nn.Conv2d(3, 4, 3, stride=2, padding=1, padding_mode="reflect")),
+     (3, 16, 16), None),
+    (lambda: Strided(conv=nn.Conv2d(3, 4, 3, padding="valid")), (3, 16, 16), None),
+    (lambda: Strided(pool=nn.AvgPool2d(3, stride=2, padding=1, ceil_mode=True)), (3, 16, 16),
+     None)])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_a_chain_of_plain_layers_has_a_hand_written_gradient_equal_to_vmaps(
+        build, shape, expected, channels_last):
+    """Where the model is a chain of biased convolutions, ReLU, max-pooling, Flatten and
+    Linear layers holding all its parameters (the CNN, the 2NN, the tabular MLP), a group
+    differentiates it by hand; its losses and gradient pieces are vmap(grad)'s up to
+    rounding: mean and weighted losses (padding weighs 0), all rows and a prefix, both
+    weight layouts. Other models (a projection head, an overridden forward, a bias-free,
+    reflect-padded or string-padded convolution, average pooling) keep vmap."""
     torch.manual_seed(0)
     module = build()
-    model = group_sgd.GroupModel(FlatModel(module))
-    assert model.chain == chain
+    model = group_sgd.GroupModel(FlatModel(module, channels_last=channels_last))
+    chain = model.chain
+    assert kinds(chain) == expected
     if chain is None:
         return
     g, b = 5, 4
     model.buffer(g).copy_(model.flat.params + 0.3 * torch.randn(g, model.flat.size))
-    shape = (3, 6, 6) if isinstance(module, TwoNN) else (7,)
     x, y = torch.randn(g, b, *shape), torch.randint(0, 4, (g, b))
     weights = torch.rand(g, b)
     weights[:, -1] = 0.0
-    for a in (g, 2):
+    for a in (g, 2, 1):
         for w in (None, weights[:a]):
             losses, pieces = model.chain_pieces(a, x[:a], y[:a], w)
             model.chain = None
@@ -204,6 +255,30 @@ def test_a_linear_relu_chain_has_a_hand_written_gradient_equal_to_vmaps(build, c
     vmapped = model.gradient_pieces(g, x, y, None, torch.bfloat16)
     assert all(torch.equal(p, q) for p, q in zip(autocast[1], vmapped[1]))
     assert not torch.equal(autocast[0], fp32[0])
+
+
+def test_a_chains_layers_point_at_their_parameters_in_storage_order():
+    module = build_model("2nn", 3, 4, 6, hidden=[12])
+    chain = group_sgd.GroupModel(FlatModel(module)).chain
+    assert [(c.weight, c.shape, c.bias) for c in chain if c.kind == "linear"] == \
+        [(0, (12, 108), 1296), (1308, (4, 12), 1356)]
+
+
+def test_max_pooling_first_is_relu_then_max_pooling_bit_for_bit():
+    """The chain pools before a ReLU that precedes the pool: the maximum commutes with
+    the ReLU, ties and all (exact zeros from the ReLU, equal values), so the values and
+    the gradient are the same bits as the model's order."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, 9, 9).round_(decimals=1)   # many ties
+    g = torch.randn(3, 4, 4, 4)
+    pool = nn.MaxPool2d(2)
+    grads = []
+    for order in ((nn.ReLU(), pool), (pool, nn.ReLU())):
+        v = x.clone().requires_grad_()
+        out = nn.Sequential(*order)(v)
+        out.backward(g)
+        grads.append((out.detach(), v.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
 
 
 GROUP_BATCH_CASES = [
@@ -304,14 +379,16 @@ def run_tiny(tmp_path, name, **over):
 
 
 @pytest.mark.parametrize("model,threads,algorithm,expected", [
-    ("2nn", 2, "fedavg", 5), ("2nn", 1, "fedavg", 1), ("cnn", 2, "fedavg", 1),
-    ("2nn", 2, "fedmim", 1)])
+    ("2nn", 2, "fedavg", 5), ("2nn", 1, "fedavg", 1), ("cnn", 2, "fedavg", 5),
+    ("cnn", 1, "fedavg", 1), ("cnn-vmap", 2, "fedavg", 1), ("2nn", 2, "fedmim", 1)])
 def test_auto_groups_only_where_they_are_faster(tmp_path, model, threads, algorithm, expected):
-    """On CPU workers "auto" trains in groups only for models without convolutions and
-    with more than one thread (benchmarks/cross_device.py), and only methods with a group
-    form; the file says what it chose."""
-    with run_tiny(tmp_path, "auto", rounds=1, model={"name": model, "hidden": [16]} if
-                  model == "2nn" else {}, algorithm={"name": algorithm},
+    """On CPU workers "auto" trains in groups only with more than one thread and where
+    no convolution is left to vmap (benchmarks/cross_device.py): the CNN's hand-written
+    gradient groups, the CNN with a projection head (vmap) does not; and only methods
+    with a group form; the file says what it chose."""
+    models = {"2nn": {"name": "2nn", "hidden": [16]}, "cnn": {}, "cnn-vmap": GROUP_FORMS[1]}
+    with run_tiny(tmp_path, "auto", rounds=1, model=models[model],
+                  algorithm={"name": algorithm},
                   system={"threads": threads, "client_group": "auto"}) as run:
         assert run.attrs["client_group"] == expected
 
@@ -331,11 +408,12 @@ def test_a_grouped_run_follows_the_sequential_run(tmp_path):
         assert grouped.config["system"]["client_group"] == 3
 
 
-@pytest.mark.parametrize("model", [{}, {"name": "2nn", "hidden": [16]}])
+@pytest.mark.parametrize("model", GROUP_FORMS)
 def test_a_grouped_run_that_diverges_stops_as_a_sequential_one_does(tmp_path, model):
-    """NaN/Inf from a group (vmap's CNN, the 2NN's hand-written gradient) reaches the
-    divergence check like a sequential client's: the file says failed at round 1."""
-    with run_tiny(tmp_path, "nan", model=model, train={"lr": 1e30, "clip_norm": 0.0},
+    """NaN/Inf from a group (the CNN's and the 2NN's hand-written gradients, vmap's)
+    reaches the divergence check like a sequential client's: the file says failed at
+    round 1."""
+    with run_tiny(tmp_path, "nan", model=model or {}, train={"lr": 1e30, "clip_norm": 0.0},
                   system={"threads": 1, "client_group": 3}) as run:
         assert run.status == "failed" and run.attrs["failed_round"] == 1
         assert run.attrs["client_group"] == 3 and "diverged at round 1" in run.attrs["error"]
@@ -343,12 +421,12 @@ def test_a_grouped_run_that_diverges_stops_as_a_sequential_one_does(tmp_path, mo
 
 @pytest.mark.slow
 @needs_mpi
-@pytest.mark.parametrize("model", [None, {"name": "2nn", "hidden": [16]}])
+@pytest.mark.parametrize("model", GROUP_FORMS)
 def test_deterministic_groups_are_bitwise_the_same_for_1_and_3_ranks(tmp_path, model):
     """Groups are cut from the participants and placed whole, so the same groups train
     on any layout: 1 process and 3 ranks (2 workers, each with whole groups) write the
-    same bits (group "auto" would not: it depends on the number of workers); vmap's
-    kernels (TINY's CNN) and the 2NN's hand-written gradient alike."""
+    same bits (group "auto" would not: it depends on the number of workers); the CNN's
+    and the 2NN's hand-written gradients and vmap's kernels alike."""
     values = merged(TINY, algorithm={"name": "feddyn"},
                     system={"deterministic": True, "client_group": 2}, rounds=2)
     values["model"] = model or values["model"]

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from fedmpi import algorithms
-from fedmpi.algorithms import ClientTask
+from fedmpi.algorithms import ClientTask, group_sgd
 from fedmpi.flat import FlatModel
 from fedmpi.models import build_model
 from fedmpi.results import RunFile
@@ -43,17 +43,19 @@ def run_tiny(tmp_path, name, device=DEVICE.type, **over):
     return groups_run_tiny(tmp_path, name, system=system, **over)
 
 
-@pytest.mark.parametrize("model", ["cnn", "2nn"])
+@pytest.mark.parametrize("model", ["cnn", "cnn-vmap", "2nn"])
 @pytest.mark.parametrize("name", GROUPED)
 def test_group_form_equals_the_sequential_local_update_on_the_device(name, model):
-    """The batched kernels of a group on the GPU (vmap over the clients' parameters for
-    the CNN, the hand-written gradient of the 2NN's chain) against one client at a time
-    on the GPU, in FP32 (TF32 off, as a run sets it)."""
+    """The batched kernels of a group on the GPU (the hand-written gradients of the CNN's
+    and the 2NN's chains, vmap over the clients' parameters) against one client at a
+    time on the GPU, in FP32 (TF32 off, as a run sets it)."""
     alg = algorithms.build(name, {})
     ctx = context(clip_norm=1.0)
     torch.manual_seed(0)
-    options = {"hidden": 16, "channels": [3, 4]} if model == "cnn" else {"hidden": [12]}
-    flat = FlatModel(build_model(model, 1, 4, 16, **options), DEVICE)
+    options = {"hidden": 16, "channels": [3, 4]} if model != "2nn" else {"hidden": [12]}
+    flat = FlatModel(build_model(model.removesuffix("-vmap"), 1, 4, 16, **options), DEVICE)
+    if model.endswith("-vmap"):
+        group_sgd.group_model(flat).chain = None
     data = [Samples(s.x.to(DEVICE), s.y.to(DEVICE), s.key) for s in clients((9, 9, 6, 3))]
     tasks = [ClientTask(client=i, data=d, model=flat, device=DEVICE) for i, d in enumerate(data)]
     payload = payload_of(alg, flat, ctx)

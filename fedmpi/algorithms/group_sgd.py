@@ -4,11 +4,12 @@ Cross-device clients are small (tens of samples, batches of 10) and so are their
 one client's step is a string of tiny kernels, and a simulator spends its time launching
 them. Here the G clients' parameters are the rows of one [G, d] buffer; each step takes
 one batch from every client that still has steps to run, does one forward and one
-backward over all of them with per-client weights (the model's functional form under
-``torch.func.vmap``: batched matrix products for linear layers, grouped convolutions for
-convolutions; a chain of Linear and ReLU layers, the 2NN, differentiated by hand with
-half vmap's operators), and one update of all rows (``local_sgd.sgd_step``'s rule row
-by row: per-client clipping, weight decay, momentum, the local schedule).
+backward over all of them with per-client weights (grouped convolutions and batched
+matrix products: written out for a model that is a chain of plain layers, the McMahan
+CNN and 2NN, in about half the operators of the model's functional form under
+``torch.func.vmap``, which serves every other model; ``group_chain``), and one update of
+all rows (``local_sgd.sgd_step``'s rule row by row: per-client clipping, weight decay,
+momentum, the local schedule).
 
 Clients need not have equal step counts. The runtime hands a group in non-increasing
 order of steps (``fedmpi.runtime.plan.groups``), so the clients still training at step k
@@ -35,7 +36,7 @@ import torch.nn.functional as F
 from torch.func import functional_call, grad_and_value, vmap
 
 from ..flat import FlatModel
-from . import local_sgd, sam, schedule
+from . import group_chain, local_sgd, sam, schedule
 from .base import ClientTask, RoundContext, Upload
 
 # correction(grads [a, n], params [a, n]) modifies the group's gradient rows in place; a
@@ -53,7 +54,7 @@ class GroupModel:
     The flat storage order (channels-last 4-D weights included) is the FlatModel's, so a
     row is exactly what ``FlatModel.load`` takes and a client's delta is row - x. The
     gradient is ``torch.func.vmap(torch.func.grad(...))`` of one client's loss over the
-    rows' parameter views (``chain_pieces`` by hand for a Linear-ReLU chain), written
+    rows' parameter views (``chain_pieces`` by hand for a chain of plain layers), written
     into ``grad_rows`` with one concatenation. (Measured on a 2-core CPU, 2NN, G = 50:
     vmap took 0.13 ms a client-step, against 0.21 ms with autograd accumulating into
     strided ``.grad`` views and 1.2 ms differentiating with respect to the flat rows,
@@ -68,10 +69,11 @@ class GroupModel:
                                      dtype=self.rows.dtype)
         self._grad_mean = vmap(grad_and_value(self._mean_loss))
         self._grad_weighted = vmap(grad_and_value(self._weighted_loss))
-        self.chain = linear_chain(flat)
+        self.chain = group_chain.layer_chain(flat)
+        self._views: dict[int, tuple] = {}   # a -> views of rows[:a] (``views``)
         # the chain's class ids, for its one-hot (F.one_hot would sync a GPU every step)
         self.classes = None if self.chain is None else \
-            torch.arange(self.chain[-1][1], device=self.rows.device)
+            torch.arange(self.chain[-1].shape[0], device=self.rows.device)
 
     def _mean_loss(self, params, x, y):
         return F.cross_entropy(functional_call(self.flat.module, params, (x,)).float(), y)
@@ -87,14 +89,32 @@ class GroupModel:
                                     dtype=self.rows.dtype)
             self.grad_rows = torch.empty(g, self.flat.num_params, device=self.rows.device,
                                          dtype=self.rows.dtype)
+            self._views = {}
         return self.rows[:g]
+
+    def views(self, a: int) -> tuple:
+        """(each parameter's [a, numel] slice, the named views of ``params``, the chain's
+        ``layer_params``) of the first a rows: made once for each a the buffer serves,
+        not at every step (each view is an operator the host runs, which on a GPU is
+        what a small client's step costs)."""
+        if a not in self._views:
+            rows = self.rows[:a]
+            self._views[a] = (
+                [rows[:, offset:offset + numel] for _, _, offset, numel, _ in self.slots],
+                self._named(rows),
+                None if self.chain is None else
+                group_chain.layer_params(self.chain, rows, self.flat.channels_last))
+        return self._views[a]
 
     def params(self, a: int) -> dict[str, torch.Tensor]:
         """The first a rows' parameters as named views [a, *shape] (NHWC-stored 4-D weights
         as NCHW views with channels-last strides, as FlatModel's)."""
-        views = {}
+        return self.views(a)[1]
+
+    def _named(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        a, views = rows.shape[0], {}
         for name, shape, offset, numel, nhwc in self.slots:
-            piece = self.rows[:a, offset:offset + numel]
+            piece = rows[:, offset:offset + numel]
             if nhwc:
                 o, i, h, w = shape
                 views[name] = piece.view(a, o, h, w, i).permute(0, 1, 4, 2, 3)
@@ -111,7 +131,7 @@ class GroupModel:
         return losses, self.grad_rows[:a]
 
     def by_hand(self, autocast=None) -> bool:
-        """Whether a step is ``chain_pieces`` (a Linear-ReLU chain in FP32), not vmap's."""
+        """Whether a step is ``chain_pieces`` (a chain of plain layers in FP32), not vmap's."""
         return self.chain is not None and autocast is None
 
     def gradient_pieces(self, a: int, x, y, weights, autocast=None):
@@ -131,36 +151,10 @@ class GroupModel:
         return losses.detach(), pieces
 
     def chain_pieces(self, a: int, x, y, weights):
-        """``gradient_pieces`` of a Linear-ReLU chain (``linear_chain``) by hand: the
-        forward as one batched matrix product a layer (bias added in it), the backward of
-        the mean (or weighted) cross-entropy written out (dz = softmax - onehot, scaled;
-        dW = dz^T h, db = sum dz, dh = dz W masked where the ReLU was off): half the
-        operators of ``vmap(grad)``, whose views and transposes over the parameter rows
-        cost more than the 2NN's small products (measured on a 2-core CPU, a W2 round of
-        50 2NN clients: 85-92 ms of local training against 118 ms)."""
-        rows, b = self.rows, y.shape[1]
-        inputs, mats = [x.reshape(a, b, -1)], []
-        for i, (w_at, out, inp, b_at) in enumerate(self.chain):
-            mats.append(rows[:a, w_at:w_at + out * inp].view(a, out, inp))
-            z = torch.baddbmm(rows[:a, b_at:b_at + out].unsqueeze(1), inputs[-1],
-                              mats[-1].transpose(1, 2))
-            inputs.append(z.relu_() if i < len(self.chain) - 1 else z)
-        logp = torch.log_softmax(inputs.pop().float(), dim=-1)
-        picked = logp.gather(2, y.unsqueeze(2)).squeeze(2)
-        dz = logp.exp_().sub_((y.unsqueeze(2) == self.classes).to(logp.dtype))
-        if weights is None:
-            losses = picked.mean(dim=1).neg_()
-            dz.mul_(1.0 / b)
-        else:
-            losses = (picked * weights).sum(dim=1).neg_()
-            dz.mul_(weights.unsqueeze(2))
-        dz = dz.to(rows.dtype)
-        pieces = []
-        for i in range(len(self.chain) - 1, -1, -1):
-            pieces += [dz.sum(dim=1), torch.bmm(dz.transpose(1, 2), inputs[i]).view(a, -1)]
-            if i:
-                dz = torch.bmm(dz, mats[i]).masked_fill_(inputs[i] <= 0, 0.0)
-        return losses, pieces[::-1]
+        """``gradient_pieces`` by hand, for a model that is a chain of plain layers
+        (``group_chain``): about half the operators of ``vmap(grad)``."""
+        return group_chain.chain_pieces(self.chain, self.views(a)[2], x, y, weights,
+                                        self.classes, self.flat.channels_last)
 
     def descend_pieces(self, a: int, pieces: list[torch.Tensor], lr, clip_norm: float) -> None:
         """The plain step (no correction, weight decay or momentum) of the first a rows,
@@ -170,30 +164,14 @@ class GroupModel:
         if clip_norm > 0:
             norms = torch.stack([p.pow(2).sum(dim=1) for p in pieces]).sum(dim=0).sqrt_()
             scale = torch.clamp(clip_norm / (norms + 1e-6), max=1.0).unsqueeze(1) * lr
-        for (_, _, offset, numel, _), piece in zip(self.slots, pieces):
-            _descend(self.rows[:a, offset:offset + numel], piece, scale)
-
-
-def linear_chain(flat: FlatModel) -> list[tuple[int, int, int, int]] | None:
-    """(weight offset, out, in, bias offset) of each layer where ``flat``'s model is a
-    Linear-ReLU chain over flattened inputs (the model's ``linear_chain``: the 2NN, the
-    tabular MLP) and these are all its parameters, in storage order; else None."""
-    layers = getattr(flat.module, "linear_chain", lambda: None)()
-    if not layers or any(layer.bias is None for layer in layers):
-        return None
-    names = {id(p): n for n, p in flat.module.named_parameters()}
-    slots = {s.name: s for s in flat.layout}
-    chain = [(slots[names[id(layer.weight)]].offset, layer.out_features, layer.in_features,
-              slots[names[id(layer.bias)]].offset) for layer in layers]
-    in_order = [off for w_at, _, _, b_at in chain for off in (w_at, b_at)]
-    stored = [s.offset for s in flat.layout if s.offset < flat.num_params]
-    return chain if in_order == stored else None
+        for row_piece, piece in zip(self.views(a)[0], pieces):
+            _descend(row_piece, piece, scale)
 
 
 def warm_up(flat: FlatModel, autocast=None) -> None:
     """torch.func's first transform costs ~0.65-1 s of lazy imports and registrations
     (measured on a 2-core CPU); a run whose groups use it pays it at setup, not in the
-    time of its first round. A Linear-ReLU chain in FP32 never calls it."""
+    time of its first round. A chain of plain layers in FP32 never calls it."""
     if group_model(flat).by_hand(autocast):
         return
     step = vmap(grad_and_value(lambda p, x, y: F.cross_entropy(x @ p, y)))

@@ -37,3 +37,11 @@ class CNN(Classifier):
     def features(self, x: torch.Tensor) -> torch.Tensor:
         """Penultimate representation [B, hidden], the input of `classifier`."""
         return self.body(x)
+
+    def chain(self) -> list[nn.Module] | None:
+        """The layers whose composition is ``forward``, which a client group
+        differentiates by hand (fedmpi.algorithms.group_chain); None for a subclass whose
+        forward is not that."""
+        if type(self).forward is not Classifier.forward or type(self).features is not CNN.features:
+            return None
+        return list(self.body) + [self.classifier]

@@ -36,17 +36,15 @@ class MLP(Classifier):
         """Penultimate representation [B, hidden[-1]] (x itself without hidden layers)."""
         return self.body(x)
 
-    def linear_chain(self) -> list[nn.Linear] | None:
-        """The layers L_1..L_k with ``forward(x) == L_k(relu(... relu(L_1(x.flatten(1)))))``,
-        which a client group trains as batched matrix products with a hand-written
-        backward (fedmpi.algorithms.group_sgd); None for a subclass whose forward is not
-        that chain."""
-        own = (type(self).forward is Classifier.forward
-               and type(self).features in (MLP.features, TwoNN.features))
-        kinds = [type(m) for m in self.body]
-        if not own or kinds != [nn.Linear, nn.ReLU] * (len(kinds) // 2):
+    def chain(self) -> list[nn.Module] | None:
+        """The layers whose composition is ``forward`` (the image flattened first for the
+        2NN), which a client group differentiates by hand
+        (fedmpi.algorithms.group_chain); None for a subclass whose forward is not that."""
+        if type(self).forward is not Classifier.forward \
+                or type(self).features not in (MLP.features, TwoNN.features):
             return None
-        return [m for m in self.body if isinstance(m, nn.Linear)] + [self.classifier]
+        head = [nn.Flatten()] if type(self).features is TwoNN.features else []
+        return head + list(self.body) + [self.classifier]
 
 
 class TwoNN(MLP):

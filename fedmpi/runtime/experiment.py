@@ -185,16 +185,20 @@ class Experiment:
                              "client; set 1 (one client after another)")
         if setting != "auto":
             return setting
-        mine = (group_memory(self.device), self.device.type == "cpu", torch.get_num_threads()) \
-            if comm.is_worker else None
+        # convolutions that torch.func.vmap differentiates (the model is no chain of plain
+        # layers, or the step is bf16), whose grouped kernels lose on a CPU
+        vmapped = any(isinstance(m, torch.nn.Conv2d) for m in flat.module.modules()) \
+            and not group_sgd.group_model(flat).by_hand(self.autocast)
+        mine = (group_memory(self.device), self.device.type == "cpu", torch.get_num_threads(),
+                vmapped) if comm.is_worker else None
         workers = [w for w in comm.gather_obj(mine, count=False) or [] if w is not None]
         size = None
         if comm.is_server:
-            convolutions = any(isinstance(m, torch.nn.Conv2d) for m in flat.module.modules())
-            on_cpu = all(cpu for _, cpu, _ in workers)
-            one_thread = any(threads == 1 for _, _, threads in workers)
+            on_cpu = all(cpu for _, cpu, _, _ in workers)
+            one_thread = any(threads == 1 for _, _, threads, _ in workers)
+            convolutions = any(v for _, _, _, v in workers)
             size = group_size("auto", self.d, cfg.clients.per_round, comm.num_workers,
-                              min(free for free, _, _ in workers),
+                              min(free for free, _, _, _ in workers),
                               sequential_faster=on_cpu and (convolutions or one_thread))
         return comm.bcast_obj(size)
 

@@ -67,10 +67,12 @@ def group_size(setting, d: int, per_round: int, num_workers: int, free_bytes: in
     """``system.client_group`` resolved: the given G, or for "auto" the largest group that
     fits ``free_bytes`` (GROUP_VECTORS d floats a client) and leaves every worker a
     group of its own (ceil(per_round / workers): groups are placed whole); 1 where
-    ``sequential_faster`` (benchmarks/cross_device.py, on a CPU): convolutions, whose
-    per-client-weight (grouped) kernels lose to one client's NHWC kernels on
-    cache-resident flat buffers; and one-thread workers, where a group's larger kernels
-    have no second thread to use and one client's small ones are as fast."""
+    ``sequential_faster`` (benchmarks/cross_device.py, on a CPU): convolutions that
+    ``torch.func.vmap`` differentiates (a model that is no chain of plain layers, or a
+    bf16 step), whose views and copies over the rows lose to one client's NHWC kernels on
+    cache-resident flat buffers (the McMahan CNN's hand-written gradient wins: 1.13x with
+    two threads); and one-thread workers, where a group's larger kernels have no second
+    thread to use and one client's small ones are as fast or faster."""
     if setting != "auto":
         return int(setting)
     if sequential_faster:
