@@ -11,7 +11,8 @@ the same rounds (setup excluded) in one run:
 - ``seq``: ``fedmpi run``, one process, clients one after another (client_group 1);
 - ``groups``: ``fedmpi run``, one process, ``system.client_group = "auto"`` (all 50);
 - ``seq-n3`` / ``groups-n3``: the same under ``mpirun -n 3`` (server + 2 workers,
-  1 thread each; "auto" gives groups of 25, one per worker).
+  1 thread each; "auto" gives 1 for one-thread CPU workers, ``--group 25`` a group of 25
+  a worker).
 
 Prints the median seconds per training round (the last round, which also scores the
 test set, left out; a group run pays torch.func's one-time start-up at setup), the final
@@ -20,13 +21,14 @@ path (targets on a 2-core CPU: >= 2x for the 2NN,
 >= 1x for the CNN, the same accuracy within seed noise):
 
     python benchmarks/cross_device.py --model 2nn --epochs 1
-    python benchmarks/cross_device.py --model cnn --epochs 5 --rounds 3 --group 10
+    python benchmarks/cross_device.py --model cnn --rounds 6 --repeat 3 --variants seq groups
     python benchmarks/cross_device.py --model 2nn --rounds 100 --variants seq groups   # accuracy curve
     python benchmarks/cross_device.py --batches --device cuda   # a grouped round's batches alone
     python benchmarks/cross_device.py --profile --device cuda   # its training alone, profiled
 
 ``--device cuda`` runs every variant on the GPU (the bare loop too; the ``-n3`` variants
-then put both workers on it, ``system.gpu_share``), where "auto" groups the CNN as well:
+then put both workers on it, ``system.gpu_share``), where "auto" groups one-thread workers
+too:
 
     python benchmarks/cross_device.py --device cuda --model cnn --variants bare seq groups
 """
@@ -193,7 +195,7 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     ap.add_argument("--group", type=lambda v: v if v == "auto" else int(v), default="auto",
                     help='system.client_group of the groups variants (default "auto", which '
-                         'is 1 for the CNN on a CPU)')
+                         'is 1 for one-thread CPU workers, as under mpirun -n 3 on 2 cores)')
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--batches", action="store_true",
                     help="time only a grouped round's batches: per client against gathered")
