@@ -190,6 +190,13 @@ class Strided(Classifier):
         return list(self.body) + [self.classifier]
 
 
+class Foreign(Strided):
+    """A chain() naming a layer that is not the model's own: no hand-written gradient."""
+
+    def chain(self):
+        return super().chain()[:-1] + [nn.Linear(6, 4)]
+
+
 def kinds(chain):
     return None if chain is None else " ".join(layer.kind for layer in chain)
 
@@ -215,7 +222,8 @@ CNN_KINDS = "conv pool relu conv pool relu flatten linear relu linear"
      (3, 16, 16), None),
     (lambda: Strided(conv=nn.Conv2d(3, 4, 3, padding="valid")), (3, 16, 16), None),
     (lambda: Strided(pool=nn.AvgPool2d(3, stride=2, padding=1, ceil_mode=True)), (3, 16, 16),
-     None)])
+     None),
+    (lambda: Foreign(), (3, 16, 16), None)])
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_a_chain_of_plain_layers_has_a_hand_written_gradient_equal_to_vmaps(
         build, shape, expected, channels_last):
@@ -224,7 +232,8 @@ def test_a_chain_of_plain_layers_has_a_hand_written_gradient_equal_to_vmaps(
     differentiates it by hand; its losses and gradient pieces are vmap(grad)'s up to
     rounding: mean and weighted losses (padding weighs 0), all rows and a prefix, both
     weight layouts. Other models (a projection head, an overridden forward, a bias-free,
-    reflect-padded or string-padded convolution, average pooling) keep vmap."""
+    reflect-padded or string-padded convolution, average pooling, a chain naming a layer
+    the model does not hold) keep vmap."""
     torch.manual_seed(0)
     module = build()
     model = group_sgd.GroupModel(FlatModel(module, channels_last=channels_last))

@@ -72,6 +72,8 @@ def layer_chain(flat: FlatModel) -> list[Layer] | None:
     layers = []
     for m in modules:
         if isinstance(m, (nn.Linear, nn.Conv2d)) and m.bias is not None:
+            if id(m.weight) not in names or id(m.bias) not in names:
+                return None   # a layer that is not the model's own
             w, b = slots[names[id(m.weight)]].offset, slots[names[id(m.bias)]].offset
             if isinstance(m, nn.Linear):
                 layers.append(Layer("linear", w, b, (m.out_features, m.in_features)))
