@@ -158,12 +158,14 @@ def kill_a_worker_and_resume(tmp_path, values: dict, after: int, ranks: int) -> 
 
 
 @needs_mpi
-def test_sigkill_of_a_grouped_run_resumes_to_the_same_bits(tmp_path):
+@pytest.mark.parametrize("model", [{"name": "2nn", "hidden": [16]}, TINY["model"]])
+def test_sigkill_of_a_grouped_run_resumes_to_the_same_bits(tmp_path, model):
     """Client groups (system.client_group) under mpirun, killed mid-round: SCAFFOLD's
-    client state and the 2NN's groups (its hand-written gradient), resumed on 2 ranks,
-    give the bits of a single process that was never stopped."""
+    client state and the groups of the 2NN and of the CNN (their hand-written
+    gradients), resumed on 2 ranks, give the bits of a single process that was never
+    stopped."""
     values = merged(TINY, **LONG, algorithm={"name": "scaffold"})
-    values.update(rounds=24, model={"name": "2nn", "hidden": [16]})
+    values.update(rounds=24, model=dict(model))
     values["system"] = {**values["system"], "client_group": 2}
     kill_a_worker_and_resume(tmp_path, values, after=10, ranks=2)
 
