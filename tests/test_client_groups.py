@@ -273,6 +273,24 @@ def test_a_chains_layers_point_at_their_parameters_in_storage_order():
         [(0, (12, 108), 1296), (1308, (4, 12), 1356)]
 
 
+def test_a_groups_parameter_views_follow_its_buffer():
+    """The views a step takes are made once for each group size and are views of the
+    current rows: a grown buffer makes them anew, and at most VIEW_SIZES sizes are kept."""
+    model = group_sgd.GroupModel(flat_model("cnn"))
+    rows = model.buffer(3)
+    slices, named, layers = model.views(2)
+    assert model.views(2)[0] is slices
+    rows[1].fill_(0.5)
+    assert torch.all(slices[0][1] == 0.5) and torch.all(layers[0][0][1] == 0.5)
+    rows = model.buffer(5)   # grown: a new buffer
+    assert model.views(2)[0] is not slices
+    assert model.views(2)[0][0].data_ptr() == rows.data_ptr()
+    for a in range(1, group_sgd.VIEW_SIZES + 3):
+        model.buffer(a)
+        model.views(a)
+    assert len(model._views) <= group_sgd.VIEW_SIZES
+
+
 def test_max_pooling_first_is_relu_then_max_pooling_bit_for_bit():
     """The chain pools before a ReLU that precedes the pool: the maximum commutes with
     the ReLU, ties and all (exact zeros from the ReLU, equal values), so the values and

@@ -45,6 +45,7 @@ from .base import ClientTask, RoundContext, Upload
 GroupCorrection = Callable[[torch.Tensor, torch.Tensor], None]
 
 _MODELS: "weakref.WeakKeyDictionary[FlatModel, GroupModel]" = weakref.WeakKeyDictionary()
+VIEW_SIZES = 64   # group sizes whose parameter views a GroupModel keeps at once
 
 
 class GroupModel:
@@ -98,6 +99,8 @@ class GroupModel:
         not at every step (each view is an operator the host runs, which on a GPU is
         what a small client's step costs)."""
         if a not in self._views:
+            if len(self._views) >= VIEW_SIZES:
+                self._views.clear()
             rows = self.rows[:a]
             self._views[a] = (
                 [rows[:, offset:offset + numel] for _, _, offset, numel, _ in self.slots],

@@ -185,12 +185,14 @@ class Experiment:
                              "client; set 1 (one client after another)")
         if setting != "auto":
             return setting
-        # convolutions that torch.func.vmap differentiates (the model is no chain of plain
-        # layers, or the step is bf16), whose grouped kernels lose on a CPU
-        vmapped = any(isinstance(m, torch.nn.Conv2d) for m in flat.module.modules()) \
-            and not group_sgd.group_model(flat).by_hand(self.autocast)
-        mine = (group_memory(self.device), self.device.type == "cpu", torch.get_num_threads(),
-                vmapped) if comm.is_worker else None
+        mine = None
+        if comm.is_worker:
+            # convolutions that torch.func.vmap differentiates (the model is no chain of
+            # plain layers, or the step is bf16), whose grouped kernels lose on a CPU
+            vmapped = any(isinstance(m, torch.nn.Conv2d) for m in flat.module.modules()) \
+                and not group_sgd.group_model(flat).by_hand(self.autocast)
+            mine = (group_memory(self.device), self.device.type == "cpu",
+                    torch.get_num_threads(), vmapped)
         workers = [w for w in comm.gather_obj(mine, count=False) or [] if w is not None]
         size = None
         if comm.is_server:
