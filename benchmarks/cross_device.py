@@ -25,6 +25,7 @@ path (targets on a 2-core CPU: >= 2x for the 2NN,
     python benchmarks/cross_device.py --model 2nn --rounds 100 --variants seq groups   # accuracy curve
     python benchmarks/cross_device.py --batches --device cuda   # a grouped round's batches alone
     python benchmarks/cross_device.py --profile --device cuda   # its training alone, profiled
+    python benchmarks/cross_device.py --profile --model cnn  # and a gradient: by hand, vmap
 
 ``--device cuda`` runs every variant on the GPU (the bare loop too; the ``-n3`` variants
 then put both workers on it, ``system.gpu_share``), where "auto" groups one-thread workers
@@ -142,7 +143,8 @@ def profile_training(values: dict, repeat: int, top: int = 15) -> None:
     the median of ``repeat`` passes; then the group under torch.profiler: the device's
     busy time per pass against the pass's wall time (on a GPU, how much of a group's
     round the device idles while the host launches), kernels launched, and the
-    operators that take the host's time."""
+    operators that take the host's time; then one step's gradient by hand against vmap
+    (``compare_gradients``)."""
     from torch.profiler import ProfilerActivity, profile
 
     from fedmpi import algorithms
@@ -184,6 +186,39 @@ def profile_training(values: dict, repeat: int, top: int = 15) -> None:
     print(events.table(sort_by="self_cpu_time_total", row_limit=top))
     if world.device.type == "cuda":
         print(events.table(sort_by="self_device_time_total", row_limit=top))
+    with numerics(world.device, config.system.precision, config.system.deterministic):
+        compare_gradients(world, group, t, repeat)
+
+
+def compare_gradients(world, group, train, repeat: int) -> None:
+    """The first step's gradient of the whole group (every client's first batch) by the
+    model's hand-written chain (fedmpi.algorithms.group_chain) and by torch.func.vmap:
+    the median of ``repeat`` calls and the operators (and kernel launches) one call
+    runs, as torch.profiler counts them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from fedmpi.algorithms import group_sgd
+
+    model = group_sgd.group_model(world.flat)
+    chain = model.chain
+    if chain is None or world.autocast is not None:
+        return
+    x, y, weights = next(type(group[0]).group_batches(group, train.local_epochs,
+                                                      train.batch_size))
+    model.buffer(len(group)).copy_(world.flat.params.detach().expand(len(group), -1))
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
+                                           if world.device.type == "cuda" else [])
+    for name, form in (("by hand", chain), ("vmap", None)):
+        model.chain = form
+        work = lambda: model.gradient_pieces(len(y), x, y, weights)  # noqa: E731
+        wall = statistics.median(_timed(world, repeat + 1, work)[1:])
+        with profile(activities=activities) as prof:
+            _timed(world, 1, work)
+        events = prof.key_averages()
+        print(f"a group step's gradient ({len(y)} clients, {name:<7}): {1e3 * wall:7.2f} ms, "
+              f"{sum(e.count for e in events if e.key.startswith('aten::'))} operators, "
+              f"{sum(e.count for e in events if 'LaunchKernel' in e.key)} kernel launches")
+    model.chain = chain
 
 
 def main() -> None:

@@ -6,9 +6,10 @@ of their batched copies. Where the host launches every operator (a GPU with smal
 clients) the operators are the step's time. For a model whose forward is a chain of
 Conv2d, ReLU, MaxPool2d, Flatten and Linear layers (the McMahan CNN, the 2NN, the
 tabular MLP: the model's ``chain()``), the gradient is written out here. The gradient
-of 50 clients' batches of 10 Fashion-MNIST images, as torch.profiler counts operators
-(on a 2-core CPU): the CNN 188 operators and 196 ms, against vmap's 488 and 283 ms; the
-2NN 93 and 8.5 ms, against 288 and 11.0 ms.
+of a W2 step, 50 clients' batches of 10 Fashion-MNIST images, as torch.profiler counts
+operators, on a 2-core CPU (``benchmarks/cross_device.py --profile --model cnn``): the
+CNN 181 operators and 150 ms, against vmap's 484 and 271 ms; the 2NN 86 and 8.3 ms,
+against 284 and 9.5 ms.
 
 - in the image part a group's activations are [B, a C, H, W]: sample b of every client,
   the clients' channels side by side, so one grouped convolution (groups = a) applies
