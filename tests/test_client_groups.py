@@ -197,6 +197,21 @@ class Foreign(Strided):
         return super().chain()[:-1] + [nn.Linear(6, 4)]
 
 
+class Flattened(Classifier):
+    """The input flattened twice (a no-op the second time), then a Linear-ReLU chain."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Flatten(), nn.Flatten(), nn.Linear(108, 5), nn.ReLU())
+        self.classifier = nn.Linear(5, 4)
+
+    def features(self, x):
+        return self.body(x)
+
+    def chain(self):
+        return list(self.body) + [self.classifier]
+
+
 def kinds(chain):
     return None if chain is None else " ".join(layer.kind for layer in chain)
 
@@ -223,7 +238,8 @@ CNN_KINDS = "conv pool relu conv pool relu flatten linear relu linear"
     (lambda: Strided(conv=nn.Conv2d(3, 4, 3, padding="valid")), (3, 16, 16), None),
     (lambda: Strided(pool=nn.AvgPool2d(3, stride=2, padding=1, ceil_mode=True)), (3, 16, 16),
      None),
-    (lambda: Foreign(), (3, 16, 16), None)])
+    (lambda: Foreign(), (3, 16, 16), None),
+    (lambda: Flattened(), (3, 6, 6), "linear relu linear")])
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_a_chain_of_plain_layers_has_a_hand_written_gradient_equal_to_vmaps(
         build, shape, expected, channels_last):

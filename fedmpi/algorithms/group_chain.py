@@ -93,13 +93,15 @@ def layer_chain(flat: FlatModel) -> list[Layer] | None:
             layers.append(Layer("flatten"))
         else:
             return None
-    if layers and layers[0].kind == "flatten":
+    while layers and layers[0].kind == "flatten":
         layers.pop(0)   # the input's flattening: a group's flat inputs are x [a, B, F]
     kinds = [layer.kind for layer in layers]
     if not kinds:
         return None
-    cut = kinds.index("flatten") if "flatten" in kinds else 0
-    image, rest = kinds[:cut], kinds[cut + 1 if "flatten" in kinds else 0:]
+    image, rest = [], kinds
+    if "flatten" in kinds:
+        cut = kinds.index("flatten")
+        image, rest = kinds[:cut], kinds[cut + 1:]
     stored = [s.offset for s in flat.layout if s.offset < flat.num_params]
     if (any(k not in IMAGE for k in image) or any(k not in FLAT for k in rest)
             or kinds[0] == "relu" or kinds[-1] != "linear"
