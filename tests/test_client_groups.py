@@ -197,6 +197,15 @@ class Foreign(Strided):
         return super().chain()[:-1] + [nn.Linear(6, 4)]
 
 
+class Standardized(nn.Conv2d):
+    """A Conv2d whose forward is its own (weight standardisation): no hand-written
+    gradient for a chain holding it."""
+
+    def forward(self, x):
+        w = self.weight
+        return self._conv_forward(x, (w - w.mean()) / (w.std() + 1e-5), self.bias)
+
+
 class Flattened(Classifier):
     """The input flattened twice (a no-op the second time), then a Linear-ReLU chain."""
 
@@ -239,6 +248,7 @@ CNN_KINDS = "conv pool relu conv pool relu flatten linear relu linear"
     (lambda: Strided(pool=nn.AvgPool2d(3, stride=2, padding=1, ceil_mode=True)), (3, 16, 16),
      None),
     (lambda: Foreign(), (3, 16, 16), None),
+    (lambda: Strided(conv=Standardized(3, 4, 3, stride=2, padding=1)), (3, 16, 16), None),
     (lambda: Flattened(), (3, 6, 6), "linear relu linear")])
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_a_chain_of_plain_layers_has_a_hand_written_gradient_equal_to_vmaps(
@@ -248,8 +258,8 @@ def test_a_chain_of_plain_layers_has_a_hand_written_gradient_equal_to_vmaps(
     differentiates it by hand; its losses and gradient pieces are vmap(grad)'s up to
     rounding: mean and weighted losses (padding weighs 0), all rows and a prefix, both
     weight layouts. Other models (a projection head, an overridden forward, a bias-free,
-    reflect-padded or string-padded convolution, average pooling, a chain naming a layer
-    the model does not hold) keep vmap."""
+    reflect-padded or string-padded convolution, a Conv2d subclass with its own forward,
+    average pooling, a chain naming a layer the model does not hold) keep vmap."""
     torch.manual_seed(0)
     module = build()
     model = group_sgd.GroupModel(FlatModel(module, channels_last=channels_last))

@@ -62,34 +62,36 @@ FLAT = ("linear", "relu")          # and what the flat part may
 def layer_chain(flat: FlatModel) -> list[Layer] | None:
     """``flat``'s model as Layers, where its ``chain()`` names the layers whose
     composition is its forward, these hold all its parameters in storage order, and
-    every layer is one this module writes out (biased convolutions and Linear layers,
-    zero-padded convolutions with groups = 1, ReLU, max-pooling, Flatten(1, -1)) in an
-    image part then a flat part ending in a Linear; else None."""
+    every layer is one this module writes out (torch's own biased Conv2d and Linear,
+    zero-padded convolutions with groups = 1, ReLU, MaxPool2d, Flatten(1, -1), not
+    subclasses of them) in an image part then a flat part ending in a Linear; else
+    None."""
     modules = getattr(flat.module, "chain", lambda: None)()
     if not modules:
         return None
     names = {id(p): n for n, p in flat.module.named_parameters()}
     slots = {s.name: s for s in flat.layout}
     layers = []
-    for m in modules:
-        if isinstance(m, (nn.Linear, nn.Conv2d)) and m.bias is not None:
+    for m in modules:   # exact types: a subclass may compute something else
+        kind = type(m)
+        if kind in (nn.Linear, nn.Conv2d) and m.bias is not None:
             if id(m.weight) not in names or id(m.bias) not in names:
                 return None   # a layer that is not the model's own
             w, b = slots[names[id(m.weight)]].offset, slots[names[id(m.bias)]].offset
-            if isinstance(m, nn.Linear):
+            if kind is nn.Linear:
                 layers.append(Layer("linear", w, b, (m.out_features, m.in_features)))
             elif m.groups == 1 and m.padding_mode == "zeros" and not isinstance(m.padding, str):
                 layers.append(Layer("conv", w, b, tuple(m.weight.shape),
                                     (tuple(m.stride), tuple(m.padding), tuple(m.dilation))))
             else:
                 return None
-        elif isinstance(m, nn.ReLU):
+        elif kind is nn.ReLU:
             layers.append(Layer("relu"))
-        elif isinstance(m, nn.MaxPool2d) and not m.return_indices:
+        elif kind is nn.MaxPool2d and not m.return_indices:
             layers.append(Layer("pool", options=(
                 _pair(m.kernel_size), _pair(m.stride or m.kernel_size),
                 _pair(m.padding), _pair(m.dilation), m.ceil_mode)))
-        elif isinstance(m, nn.Flatten) and m.start_dim == 1 and m.end_dim == -1:
+        elif kind is nn.Flatten and m.start_dim == 1 and m.end_dim == -1:
             layers.append(Layer("flatten"))
         else:
             return None
