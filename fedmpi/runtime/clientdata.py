@@ -147,8 +147,9 @@ class TensorClientData(ClientData):
         per_epoch = -(-n // b)
         whole, short = n // b, n - (per_epoch - 1) * b
         order = torch_generator(self.seed, "batch" + self.purpose, *self.key)
-        indices = self.indices.numpy()
+        indices = self.indices.numpy()  # host sync: none, a CPU tensor's memory (once a round)
         for e in range(epochs):
+            # host sync: none, a CPU generator's permutation (once a client and epoch)
             idx = indices[torch.randperm(n, generator=order).numpy()]
             epoch = slice(e * per_epoch, (e + 1) * per_epoch)
             rows, w = index[epoch], weights[epoch]
