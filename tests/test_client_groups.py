@@ -283,6 +283,11 @@ def test_a_chain_of_plain_layers_has_a_hand_written_gradient_equal_to_vmaps(
             for p, q in zip(pieces, want):
                 torch.testing.assert_close(p, q)
             assert max(p.abs().max() for p in pieces) > 0
+    if len(shape) == 3:   # images stored channels-last (augmented, stacked batches): same bits
+        strided = x.permute(0, 1, 3, 4, 2).contiguous().permute(0, 1, 4, 2, 3)
+        for p, q in zip(model.chain_pieces(g, strided, y, None)[1],
+                        model.chain_pieces(g, x, y, None)[1]):
+            assert torch.equal(p, q)
     # bf16 autocast keeps vmap: the chain's FP32 products would not be the bf16 step's
     autocast, fp32 = (model.gradient_pieces(g, x, y, None, torch.bfloat16),
                       model.chain_pieces(g, x, y, None))
