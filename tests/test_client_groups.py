@@ -170,7 +170,17 @@ class Wider(TwoNN):
         return 2 * super().features(x)
 
 
-class Strided(Classifier):
+class Chained(Classifier):
+    """A model whose forward is its ``body`` then its ``classifier``, and says so."""
+
+    def features(self, x):
+        return self.body(x)
+
+    def chain(self):
+        return list(self.body) + [self.classifier]
+
+
+class Strided(Chained):
     """A chain with what the McMahan CNN lacks: strides, padding, dilation, a pool with
     its own stride, padding and ceil_mode, no ReLU before one pool, three channels."""
 
@@ -182,12 +192,6 @@ class Strided(Classifier):
             nn.Conv2d(4, 5, 3, padding=2, dilation=2), nn.MaxPool2d(2), nn.ReLU(),
             nn.Flatten(), nn.Linear(20, 6), nn.ReLU())
         self.classifier = nn.Linear(6, 4)
-
-    def features(self, x):
-        return self.body(x)
-
-    def chain(self):
-        return list(self.body) + [self.classifier]
 
 
 class Foreign(Strided):
@@ -206,19 +210,13 @@ class Standardized(nn.Conv2d):
         return self._conv_forward(x, (w - w.mean()) / (w.std() + 1e-5), self.bias)
 
 
-class Flattened(Classifier):
+class Flattened(Chained):
     """The input flattened twice (a no-op the second time), then a Linear-ReLU chain."""
 
     def __init__(self):
         super().__init__()
         self.body = nn.Sequential(nn.Flatten(), nn.Flatten(), nn.Linear(108, 5), nn.ReLU())
         self.classifier = nn.Linear(5, 4)
-
-    def features(self, x):
-        return self.body(x)
-
-    def chain(self):
-        return list(self.body) + [self.classifier]
 
 
 def kinds(chain):
