@@ -187,15 +187,15 @@ def profile_training(values: dict, repeat: int, top: int = 15) -> None:
     if world.device.type == "cuda":
         print(events.table(sort_by="self_device_time_total", row_limit=top))
     with numerics(world.device, config.system.precision, config.system.deterministic):
-        compare_gradients(world, group, t, repeat)
+        compare_gradients(world, group, t, repeat, activities)
 
 
-def compare_gradients(world, group, train, repeat: int) -> None:
+def compare_gradients(world, group, train, repeat: int, activities) -> None:
     """The first step's gradient of the whole group (every client's first batch) by the
     model's hand-written chain (fedmpi.algorithms.group_chain) and by torch.func.vmap:
     the median of ``repeat`` calls and the operators (and kernel launches) one call
-    runs, as torch.profiler counts them."""
-    from torch.profiler import ProfilerActivity, profile
+    runs, as torch.profiler counts them (``activities``: the CPU's, and a GPU's)."""
+    from torch.profiler import profile
 
     from fedmpi.algorithms import group_sgd
 
@@ -206,8 +206,6 @@ def compare_gradients(world, group, train, repeat: int) -> None:
     x, y, weights = next(type(group[0]).group_batches(group, train.local_epochs,
                                                       train.batch_size))
     model.buffer(len(group)).copy_(world.flat.params.detach().expand(len(group), -1))
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
-                                           if world.device.type == "cuda" else [])
     for name, form in (("by hand", chain), ("vmap", None)):
         model.chain = form
         work = lambda: model.gradient_pieces(len(y), x, y, weights)  # noqa: E731

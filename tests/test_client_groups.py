@@ -67,10 +67,17 @@ def context(**over):
     return RoundContext(**{**base, **over})
 
 
-def flat_model(name="cnn", channels_last=False):
+def flat_model(name="cnn", channels_last=False, device="cpu"):
+    """A small model by name; "cnn-vmap" is the CNN with its chain set aside, so a group
+    differentiates it by torch.func.vmap, not group_chain."""
     torch.manual_seed(0)
-    options = {"hidden": 16, "channels": [3, 4]} if name == "cnn" else {"hidden": [12]}
-    return FlatModel(build_model(name, 1, 4, 16, **options), channels_last=channels_last)
+    base = name.removesuffix("-vmap")
+    options = {"hidden": 16, "channels": [3, 4]} if base == "cnn" else {"hidden": [12]}
+    flat = FlatModel(build_model(base, 1, 4, 16, **options), device,
+                     channels_last=channels_last)
+    if name.endswith("-vmap"):
+        group_sgd.group_model(flat).chain = None
+    return flat
 
 
 def state_of(alg, d, i):
@@ -89,9 +96,7 @@ def payload_of(alg, flat, ctx):
 def both_paths(name, ctx, sizes=(9, 9, 6, 3), model="cnn", channels_last=False, params=None):
     """Sequential uploads and group uploads of the same clients (sizes non-increasing)."""
     alg = algorithms.build(name, params or {})
-    flat = flat_model(model.removesuffix("-vmap"), channels_last)
-    if model.endswith("-vmap"):   # a model torch.func differentiates, not group_chain
-        group_sgd.group_model(flat).chain = None
+    flat = flat_model(model, channels_last)
     data = clients(sizes)
     tasks = [ClientTask(client=i, data=dt, model=flat, device=torch.device("cpu"))
              for i, dt in enumerate(data)]

@@ -16,16 +16,15 @@ import pytest
 import torch
 
 from fedmpi import algorithms
-from fedmpi.algorithms import ClientTask, group_sgd
-from fedmpi.flat import FlatModel
-from fedmpi.models import build_model
+from fedmpi.algorithms import ClientTask
 from fedmpi.results import RunFile
 from fedmpi.runtime.system import kernels, numerics
 
 from conftest import needs_mpi, run_on_ranks
 from helpers import TINY, merged, run_and_resume, write_config
 from test_client_groups import (GROUP_BATCH_CASES, GROUPED, Samples, assert_same_uploads,
-                                check_group_batches, clients, context, payload_of, state_of)
+                                check_group_batches, clients, context, flat_model, payload_of,
+                                state_of)
 from test_client_groups import run_tiny as groups_run_tiny
 
 DEVICE = torch.device(os.environ.get("FEDMPI_TEST_DEVICE", "cuda"))
@@ -51,11 +50,7 @@ def test_group_form_equals_the_sequential_local_update_on_the_device(name, model
     time on the GPU, in FP32 (TF32 off, as a run sets it)."""
     alg = algorithms.build(name, {})
     ctx = context(clip_norm=1.0)
-    torch.manual_seed(0)
-    options = {"hidden": 16, "channels": [3, 4]} if model != "2nn" else {"hidden": [12]}
-    flat = FlatModel(build_model(model.removesuffix("-vmap"), 1, 4, 16, **options), DEVICE)
-    if model.endswith("-vmap"):
-        group_sgd.group_model(flat).chain = None
+    flat = flat_model(model, device=DEVICE)
     data = [Samples(s.x.to(DEVICE), s.y.to(DEVICE), s.key) for s in clients((9, 9, 6, 3))]
     tasks = [ClientTask(client=i, data=d, model=flat, device=DEVICE) for i, d in enumerate(data)]
     payload = payload_of(alg, flat, ctx)

@@ -29,7 +29,7 @@ generator, which a group shares, so models with dropout are refused at config ti
 from __future__ import annotations
 
 import weakref
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +46,13 @@ GroupCorrection = Callable[[torch.Tensor, torch.Tensor], None]
 
 _MODELS: "weakref.WeakKeyDictionary[FlatModel, GroupModel]" = weakref.WeakKeyDictionary()
 VIEW_SIZES = 64   # group sizes whose parameter views a GroupModel keeps at once
+
+
+class RowViews(NamedTuple):
+    """Views of a group's first a rows, made once for each a (``GroupModel.views``)."""
+    slices: list[torch.Tensor]          # each parameter's [a, numel] slice, storage order
+    named: dict[str, torch.Tensor]      # ``GroupModel.params``: named [a, *shape] views
+    layers: list | None                 # the chain's ``group_chain.layer_params``, if any
 
 
 class GroupModel:
@@ -71,7 +78,7 @@ class GroupModel:
         self._grad_mean = vmap(grad_and_value(self._mean_loss))
         self._grad_weighted = vmap(grad_and_value(self._weighted_loss))
         self.chain = group_chain.layer_chain(flat)
-        self._views: dict[int, tuple] = {}   # a -> views of rows[:a] (``views``)
+        self._views: dict[int, RowViews] = {}   # a -> views of rows[:a] (``views``)
         # the chain's class ids, for its one-hot (F.one_hot would sync a GPU every step)
         self.classes = None if self.chain is None else \
             torch.arange(self.chain[-1].shape[0], device=self.rows.device)
@@ -93,16 +100,15 @@ class GroupModel:
             self._views = {}
         return self.rows[:g]
 
-    def views(self, a: int) -> tuple:
-        """(each parameter's [a, numel] slice, the named views of ``params``, the chain's
-        ``layer_params``) of the first a rows: made once for each a the buffer serves,
-        not at every step (each view is an operator the host runs, which on a GPU is
-        what a small client's step costs)."""
+    def views(self, a: int) -> RowViews:
+        """The views of the first a rows, made once for each a the buffer serves, not at
+        every step (each view is an operator the host runs, which on a GPU is what a
+        small client's step costs)."""
         if a not in self._views:
             if len(self._views) >= VIEW_SIZES:
                 self._views.clear()
             rows = self.rows[:a]
-            self._views[a] = (
+            self._views[a] = RowViews(
                 [rows[:, offset:offset + numel] for _, _, offset, numel, _ in self.slots],
                 self._named(rows),
                 None if self.chain is None else
@@ -112,7 +118,7 @@ class GroupModel:
     def params(self, a: int) -> dict[str, torch.Tensor]:
         """The first a rows' parameters as named views [a, *shape] (NHWC-stored 4-D weights
         as NCHW views with channels-last strides, as FlatModel's)."""
-        return self.views(a)[1]
+        return self.views(a).named
 
     def _named(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
         a, views = rows.shape[0], {}
@@ -156,7 +162,7 @@ class GroupModel:
     def chain_pieces(self, a: int, x, y, weights):
         """``gradient_pieces`` by hand, for a model that is a chain of plain layers
         (``group_chain``): about half the operators of ``vmap(grad)``."""
-        return group_chain.chain_pieces(self.chain, self.views(a)[2], x, y, weights,
+        return group_chain.chain_pieces(self.chain, self.views(a).layers, x, y, weights,
                                         self.classes, self.flat.channels_last)
 
     def descend_pieces(self, a: int, pieces: list[torch.Tensor], lr, clip_norm: float) -> None:
@@ -167,7 +173,7 @@ class GroupModel:
         if clip_norm > 0:
             norms = torch.stack([p.pow(2).sum(dim=1) for p in pieces]).sum(dim=0).sqrt_()
             scale = torch.clamp(clip_norm / (norms + 1e-6), max=1.0).unsqueeze(1) * lr
-        for row_piece, piece in zip(self.views(a)[0], pieces):
+        for row_piece, piece in zip(self.views(a).slices, pieces):
             _descend(row_piece, piece, scale)
 
 
