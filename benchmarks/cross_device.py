@@ -32,6 +32,11 @@ then put both workers on it, ``system.gpu_share``), where "auto" groups one-thre
 too:
 
     python benchmarks/cross_device.py --device cuda --model cnn --variants bare seq groups
+
+``--set SECTION.KEY=VALUE`` changes W2's config (repeatable), e.g. the layout:
+
+    python benchmarks/cross_device.py --device cuda --model cnn --variants seq groups \
+        --set model.channels_last=false
 """
 
 from __future__ import annotations
@@ -230,6 +235,9 @@ def main() -> None:
                     help='system.client_group of the groups variants (default "auto", which '
                          'is 1 for one-thread CPU workers, as under mpirun -n 3 on 2 cores)')
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="change W2's config, e.g. --set model.channels_last=false "
+                         "(VALUE as JSON, else a string)")
     ap.add_argument("--batches", action="store_true",
                     help="time only a grouped round's batches: per client against gathered")
     ap.add_argument("--profile", action="store_true",
@@ -241,6 +249,16 @@ def main() -> None:
               f"CUDA device", file=sys.stderr)
         sys.exit(2)
     values = workload(args.model, args.epochs, args.rounds, args.device)
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        section, dot, name = key.partition(".")
+        if not (sep and dot and name):
+            ap.error(f"--set {item!r}: expected SECTION.KEY=VALUE")
+        try:
+            value = json.loads(value)
+        except ValueError:
+            pass
+        values.setdefault(section, {})[name] = value
     if args.batches:
         return time_batches(values, max(args.repeat, 20))
     if args.profile:
@@ -258,7 +276,7 @@ def main() -> None:
     med = {v: statistics.median(w) for v, w in walls.items()}
     print(f"\nW2: Fashion-MNIST, 1000 clients Dir(0.3), 50/round, B=10, E={args.epochs}, "
           f"{args.model}, FedAvg, {args.rounds} rounds, groups: client_group = {args.group}, "
-          f"on {args.device}; medians of {args.repeat}")
+          f"on {args.device}; medians of {args.repeat}" + "".join(f"; {s}" for s in args.set))
     for v in args.variants:
         print(f"  {v:<10} {med[v]:7.3f} s/round   final acc {accs[v]:.4f}")
     for a, b in (("seq", "groups"), ("seq-n3", "groups-n3"), ("bare", "groups")):

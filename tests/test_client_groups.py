@@ -253,19 +253,21 @@ CNN_KINDS = "conv pool relu conv pool relu flatten linear relu linear"
     (lambda: Foreign(), (3, 16, 16), None),
     (lambda: Strided(conv=Standardized(3, 4, 3, stride=2, padding=1)), (3, 16, 16), None),
     (lambda: Flattened(), (3, 6, 6), "linear relu linear")])
-@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("channels_last,nhwc", [(False, False), (True, True), (True, False)])
 def test_a_chain_of_plain_layers_has_a_hand_written_gradient_equal_to_vmaps(
-        build, shape, expected, channels_last):
+        build, shape, expected, channels_last, nhwc):
     """Where the model is a chain of biased convolutions, ReLU, max-pooling, Flatten and
     Linear layers holding all its parameters (the CNN, the 2NN, the tabular MLP), a group
     differentiates it by hand; its losses and gradient pieces are vmap(grad)'s up to
     rounding: mean and weighted losses (padding weighs 0), all rows and a prefix, both
-    weight layouts. Other models (a projection head, an overridden forward, a bias-free,
+    weight layouts, with channels-last or (as on a GPU) NCHW activations. Other models (a projection head, an overridden forward, a bias-free,
     reflect-padded or string-padded convolution, a Conv2d subclass with its own forward,
     average pooling, a chain naming a layer the model does not hold) keep vmap."""
     torch.manual_seed(0)
     module = build()
     model = group_sgd.GroupModel(FlatModel(module, channels_last=channels_last))
+    assert model.nhwc == channels_last   # on a CPU
+    model.nhwc = nhwc
     chain = model.chain
     assert kinds(chain) == expected
     if chain is None:
