@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import _sub, time_fedmpi  # noqa: E402
+from overhead import _sub, add_set_option, apply_sets, sets, time_fedmpi  # noqa: E402
 
 from fedmpi import config as cfgmod  # noqa: E402
 from fedmpi.results import RunFile  # noqa: E402
@@ -235,9 +235,7 @@ def main() -> None:
                     help='system.client_group of the groups variants (default "auto", which '
                          'is 1 for one-thread CPU workers, as under mpirun -n 3 on 2 cores)')
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                    help="change W2's config, e.g. --set model.channels_last=false "
-                         "(VALUE as JSON, else a string)")
+    add_set_option(ap)
     ap.add_argument("--batches", action="store_true",
                     help="time only a grouped round's batches: per client against gathered")
     ap.add_argument("--profile", action="store_true",
@@ -249,16 +247,7 @@ def main() -> None:
               f"CUDA device", file=sys.stderr)
         sys.exit(2)
     values = workload(args.model, args.epochs, args.rounds, args.device)
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        section, dot, name = key.partition(".")
-        if not (sep and dot and name):
-            ap.error(f"--set {item!r}: expected SECTION.KEY=VALUE")
-        try:
-            value = json.loads(value)
-        except ValueError:
-            pass
-        values.setdefault(section, {})[name] = value
+    apply_sets(ap, values, args.set)
     if args.batches:
         return time_batches(values, max(args.repeat, 20))
     if args.profile:
@@ -276,7 +265,7 @@ def main() -> None:
     med = {v: statistics.median(w) for v, w in walls.items()}
     print(f"\nW2: Fashion-MNIST, 1000 clients Dir(0.3), 50/round, B=10, E={args.epochs}, "
           f"{args.model}, FedAvg, {args.rounds} rounds, groups: client_group = {args.group}, "
-          f"on {args.device}; medians of {args.repeat}" + "".join(f"; {s}" for s in args.set))
+          f"on {args.device}; medians of {args.repeat}{sets(args)}")
     for v in args.variants:
         print(f"  {v:<10} {med[v]:7.3f} s/round   final acc {accs[v]:.4f}")
     for a, b in (("seq", "groups"), ("seq-n3", "groups-n3"), ("bare", "groups")):

@@ -30,6 +30,10 @@ the 2-process limit is a CPU notion and is left out.
     python benchmarks/overhead.py                 # full workload, 2 repetitions
     python benchmarks/overhead.py --rounds 5 --repeat 1  # quick look
     python benchmarks/overhead.py --device cuda --rounds 5 --repeat 1
+    python benchmarks/overhead.py --device cuda --set model.channels_last=false  # NCHW
+
+``--set SECTION.KEY=VALUE`` changes the workload's config; the bare loop reads its
+hyperparameters from it but always runs PyTorch's default layout.
 """
 
 from __future__ import annotations
@@ -85,6 +89,36 @@ def workload(rounds: int, device: str = "cpu") -> dict:
         values.update(json.loads(json.dumps(GPU_WORKLOAD)))
     values["system"] = {"device": device}
     return values
+
+
+def add_set_option(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="change the workload's config, e.g. --set model.channels_last=false "
+                         "(VALUE as JSON, else a string; repeatable)")
+
+
+def apply_sets(ap: argparse.ArgumentParser, values: dict, items: list[str]) -> None:
+    """``--set`` SECTION.KEY=VALUE items written into the workload's config ``values``."""
+    for item in items:
+        key, sep, value = item.partition("=")
+        section, dot, name = key.partition(".")
+        if not (sep and dot and section and name):
+            ap.error(f"--set {item!r}: expected SECTION.KEY=VALUE")
+        try:
+            value = json.loads(value)
+        except ValueError:
+            pass
+        values.setdefault(section, {})[name] = value
+    if items:
+        try:
+            cfgmod.from_dict(values)
+        except ValueError as e:   # fedmpi's one-line UsageError
+            ap.error(f"--set: {e}")
+
+
+def sets(args) -> str:
+    """The ``--set`` items, for a summary line."""
+    return "".join(f"; {item}" for item in args.set)
 
 
 def bench_device(c) -> torch.device:
@@ -280,6 +314,7 @@ def main() -> None:
                     help="time only the comm-free limit and mpirun (the MPI-overhead ratio)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cuda: W1's GPU form (ResNet-18-GN, CIFAR-shaped data) on the GPU")
+    add_set_option(ap)
     ap.add_argument("--bare", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--half", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--values", help=argparse.SUPPRESS)
@@ -295,6 +330,7 @@ def main() -> None:
               f"CUDA device", file=sys.stderr)
         sys.exit(2)
     values = workload(args.rounds, args.device)
+    apply_sets(ap, values, args.set)
     with tempfile.TemporaryDirectory(prefix="fedmpi-bench-") as tmp:
         (measure_gpu if args.device == "cuda" else measure)(args, values, Path(tmp))
 
@@ -326,7 +362,7 @@ def measure(args, values, tmp: Path) -> None:
               f"(acc {multi['acc']:.4f})", flush=True)
     med = {k: statistics.median(v) for k, v in times.items() if v}
     print(f"\nworkload: {args.rounds} rounds, 100 clients Dir(0.3), 10/round, E=1, B=50, "
-          f"cnn 0.90M params, Fashion-MNIST; medians of {args.repeat}")
+          f"cnn 0.90M params, Fashion-MNIST; medians of {args.repeat}{sets(args)}")
     if "bare" in med:
         print(f"  fedmpi (1 process) / bare loop      = {med['fedmpi'] / med['bare']:.3f}   (target <= 0.85)")
         print(f"  comm-free limit / fedmpi 1 process   = {med['limit'] / med['fedmpi']:.3f}")
@@ -352,7 +388,8 @@ def measure_gpu(args, values, tmp: Path) -> None:
     med = {k: statistics.median(v) for k, v in times.items() if v}
     print(f"\nworkload: {args.rounds} rounds, 100 clients Dir(0.3), 10/round, E=1, B=50, "
           f"ResNet-18-GN 11.2M params, synthetic 3x32x32 (20,000 train), FP32, on "
-          f"{kernels(bench_device(cfgmod.from_dict(values)))}; medians of {args.repeat}")
+          f"{kernels(bench_device(cfgmod.from_dict(values)))}; medians of {args.repeat}"
+          f"{sets(args)}")
     print(f"  bare loop                       {med['bare']:.2f} s")
     print(f"  fedmpi (1 process) / bare loop  = {med['fedmpi'] / med['bare']:.3f}")
     if "mpirun" in med:
