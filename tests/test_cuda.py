@@ -14,6 +14,7 @@ import os
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from fedmpi import algorithms
 from fedmpi.algorithms import ClientTask
@@ -105,6 +106,27 @@ def test_a_grouped_run_on_the_device_follows_the_sequential_run(tmp_path):
         np.testing.assert_allclose(grouped.model(), one.model(), rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(grouped.clients()["train_loss"], one.clients()["train_loss"],
                                    rtol=1e-4)
+
+
+def test_fp32_is_fp32_on_the_device_and_tf32_is_not():
+    """Under a run's "fp32" numerics a matrix product and a convolution on the device
+    are FP32's (norm-wise within 1e-5 of float64; TF32's 10-bit mantissa is about 1e-4
+    off), whichever API this torch uses for TF32; under "tf32" on a GPU that has it, the
+    products are TF32's."""
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(256, 512, generator=gen), torch.randn(512, 256, generator=gen)
+    x, w = torch.randn(8, 16, 20, 20, generator=gen), torch.randn(32, 16, 5, 5, generator=gen)
+    exact = (a.double() @ b.double(), F.conv2d(x.double(), w.double()))
+
+    def errors(precision):
+        with numerics(DEVICE, precision, deterministic=False):
+            got = ((a.to(DEVICE) @ b.to(DEVICE)).cpu(),
+                   F.conv2d(x.to(DEVICE), w.to(DEVICE)).cpu())
+        return [float((g.double() - e).norm() / e.norm()) for g, e in zip(got, exact)]
+
+    assert max(errors("fp32")) < 1e-5
+    if DEVICE.type == "cuda" and torch.cuda.get_device_capability(DEVICE) >= (8, 0):
+        assert min(errors("tf32")) > 1e-5
 
 
 @pytest.mark.parametrize("precision", ["bf16", "tf32"])
