@@ -260,7 +260,8 @@ def test_a_chain_of_plain_layers_has_a_hand_written_gradient_equal_to_vmaps(
     Linear layers holding all its parameters (the CNN, the 2NN, the tabular MLP), a group
     differentiates it by hand; its losses and gradient pieces are vmap(grad)'s up to
     rounding: mean and weighted losses (padding weighs 0), all rows and a prefix, both
-    weight layouts, with channels-last or (as on a GPU) NCHW activations. Other models (a projection head, an overridden forward, a bias-free,
+    weight layouts, channels-last weights with channels-last or (as on a GPU) NCHW
+    activations. Other models (a projection head, an overridden forward, a bias-free,
     reflect-padded or string-padded convolution, a Conv2d subclass with its own forward,
     average pooling, a chain naming a layer the model does not hold) keep vmap."""
     torch.manual_seed(0)
