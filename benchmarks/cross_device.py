@@ -33,7 +33,8 @@ too:
 
     python benchmarks/cross_device.py --device cuda --model cnn --variants bare seq groups
 
-``--set SECTION.KEY=VALUE`` changes W2's config (repeatable), e.g. the layout:
+``--set KEY=VALUE`` (as ``fedmpi run --set``, repeatable) changes W2's config, e.g.
+the layout:
 
     python benchmarks/cross_device.py --device cuda --model cnn --variants seq groups \
         --set model.channels_last=false
@@ -247,7 +248,7 @@ def main() -> None:
               f"CUDA device", file=sys.stderr)
         sys.exit(2)
     values = workload(args.model, args.epochs, args.rounds, args.device)
-    apply_sets(ap, values, args.set)
+    values = apply_sets(ap, values, args.set)
     if args.batches:
         return time_batches(values, max(args.repeat, 20))
     if args.profile:

@@ -32,8 +32,8 @@ the 2-process limit is a CPU notion and is left out.
     python benchmarks/overhead.py --device cuda --rounds 5 --repeat 1
     python benchmarks/overhead.py --device cuda --set model.channels_last=false  # NCHW
 
-``--set SECTION.KEY=VALUE`` changes the workload's config; the bare loop reads its
-hyperparameters from it but always runs PyTorch's default layout.
+``--set KEY=VALUE`` (as ``fedmpi run --set``) changes the workload's config; the bare
+loop reads its hyperparameters from it but always runs PyTorch's default layout.
 """
 
 from __future__ import annotations
@@ -92,28 +92,22 @@ def workload(rounds: int, device: str = "cpu") -> dict:
 
 
 def add_set_option(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                    help="change the workload's config, e.g. --set model.channels_last=false "
-                         "(VALUE as JSON, else a string; repeatable)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="change the workload's config as `fedmpi run --set` does, e.g. "
+                         "--set model.channels_last=false (repeatable)")
 
 
-def apply_sets(ap: argparse.ArgumentParser, values: dict, items: list[str]) -> None:
-    """``--set`` SECTION.KEY=VALUE items written into the workload's config ``values``."""
-    for item in items:
-        key, sep, value = item.partition("=")
-        section, dot, name = key.partition(".")
-        if not (sep and dot and section and name):
-            ap.error(f"--set {item!r}: expected SECTION.KEY=VALUE")
-        try:
-            value = json.loads(value)
-        except ValueError:
-            pass
-        values.setdefault(section, {})[name] = value
-    if items:
-        try:
-            cfgmod.from_dict(values)
-        except ValueError as e:   # fedmpi's one-line UsageError
-            ap.error(f"--set: {e}")
+def apply_sets(ap: argparse.ArgumentParser, values: dict, items: list[str]) -> dict:
+    """The workload's config ``values`` with the ``--set`` items on top (fedmpi's own
+    overrides, checked against the config: a bad one is a one-line usage error)."""
+    if not items:
+        return values
+    try:
+        values = cfgmod.apply_overrides(values, items)
+        cfgmod.from_dict(values)
+    except ValueError as e:   # fedmpi's one-line UsageError
+        ap.error(str(e))
+    return values
 
 
 def sets(args) -> str:
@@ -330,7 +324,7 @@ def main() -> None:
               f"CUDA device", file=sys.stderr)
         sys.exit(2)
     values = workload(args.rounds, args.device)
-    apply_sets(ap, values, args.set)
+    values = apply_sets(ap, values, args.set)
     with tempfile.TemporaryDirectory(prefix="fedmpi-bench-") as tmp:
         (measure_gpu if args.device == "cuda" else measure)(args, values, Path(tmp))
 

@@ -79,10 +79,7 @@ class GroupModel:
         self._grad_weighted = vmap(grad_and_value(self._weighted_loss))
         self.chain = group_chain.layer_chain(flat)
         # the chain's activations: channels-last where the weights are stored so, on a
-        # CPU only. cuDNN's grouped convolutions over channels-last FP32 activations
-        # convert layouts for every client: measured on an H200 (torch 2.11), a W2 CNN
-        # step's gradient (50 clients, B = 10) took 6.3 ms channels-last, 3.6 ms NCHW;
-        # on a 2-core CPU channels-last is the faster (175 against 192 ms)
+        # CPU only (faster there; on a GPU NCHW is, see group_chain; tests may set it)
         self.nhwc = flat.channels_last and self.rows.device.type == "cpu"
         self._views: dict[int, RowViews] = {}   # a -> views of rows[:a] (``views``)
         # the chain's class ids, for its one-hot (F.one_hot would sync a GPU every step)
