@@ -16,9 +16,9 @@ against 284 and 9.5 ms.
   every client's own filters, and one ``convolution_backward`` gives the input's,
   filters' and biases' gradients; in FlatModel's channels-last layout the activations
   are channels-last too on a CPU, as the sequential path's (175 against 192 ms NCHW, a
-  W2 CNN step's gradient on 2 cores), and NCHW on a GPU (cuDNN's
-  grouped convolutions over channels-last FP32 activations convert layouts client by
-  client: a W2 CNN step's gradient took 6.3 ms channels-last, 3.6 ms NCHW on an H200);
+  W2 CNN step's gradient on 2 cores), and NCHW on a GPU (cuDNN's grouped convolutions
+  over channels-last FP32 activations convert layouts client by client: 6.3 ms
+  channels-last, 3.6 ms NCHW on an H200);
 - Flatten moves to [a, B, F], where one batched matrix product a layer (bias added in
   it) applies every client's own Linear layer; the backward of the mean (or weighted)
   cross-entropy is softmax minus one-hot, then dW = dz^T h, db = sum dz, dh = dz W;
