@@ -66,16 +66,19 @@ def test_weighted_sum_single_process_is_the_closed_form():
 
 @pytest.mark.slow
 @needs_mpi
-@pytest.mark.parametrize("n, d, k", [(2, 53, 5), (3, 53, 5), (4, 53, 5),
-                                     (5, 20, 5),    # a worker owns no block
-                                     (5, 20, 2)])   # and two have no clients
-def test_gram_over_mpi_is_bitwise_single_process_and_never_gathers_all_vectors(n, d, k):
-    proc = mpirun(n, [sys.executable, str(ROOT / "tests/mpi_scripts/gram_check.py"), str(d),
-                      str(k)], timeout=120)
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
-    for key in ("gram_bitwise", "sum_bitwise", "gram_close", "sum_close", "coef_close"):
-        assert report[key], key
-    assert report["max_worker_received"] < report["all_vectors_bytes"]
+@pytest.mark.parametrize("n, cases", [(2, ["53:5"]), (3, ["53:5"]), (4, ["53:5"]),
+                                      (5, ["20:5",     # a worker owns no block
+                                           "20:2"])])  # and two have no clients
+def test_gram_over_mpi_is_bitwise_single_process_and_never_gathers_all_vectors(n, cases):
+    """d:k cases (d coordinates in blocks of 7, k clients) under one mpirun each."""
+    proc = mpirun(n, [sys.executable, str(ROOT / "tests/mpi_scripts/gram_check.py"), *cases],
+                  timeout=120)
+    reports = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert sorted(reports) == sorted(cases)
+    for case, report in reports.items():
+        for key in ("gram_bitwise", "sum_bitwise", "gram_close", "sum_close", "coef_close"):
+            assert report[key], (case, key)
+        assert report["max_worker_received"] < report["all_vectors_bytes"], case
 
 
 # ---- EUA's step ------------------------------------------------------------------------
