@@ -3,6 +3,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -84,10 +85,19 @@ needs_mpi = pytest.mark.skipif(mpirun_path() is None, reason="no mpirun (pip ins
 LAUNCH_RACE = "PMIx server's listener thread failed to start"
 
 
-def mpirun(n, args, timeout=600, env=None, check=True):
-    """Run ``args`` under a real mpirun with ``n`` ranks; returns the CompletedProcess."""
-    cmd = [mpirun_path(), "-n", str(n), "--oversubscribe", "--bind-to", "none"] + args
+def mpirun(n, args, timeout=600, env=None, check=True, fresh=False):
+    """Run ``args`` under a real mpirun with ``n`` ranks; returns the CompletedProcess.
+    Ranks that are ``sys.executable -m MODULE ...`` or ``sys.executable SCRIPT ...`` are
+    forked from this test process's rank zygote (tests/zygote.py: each rank's imports done
+    once, not 2 s of CPU per rank) unless ``fresh`` (what start-up itself does is under
+    test), FEDMPI_TESTS_FRESH=1, or ``env`` changes what an interpreter reads at start-up."""
     run_env = dict(os.environ, **(env or {}))
+    if args and args[0] == sys.executable and not (fresh or FRESH):
+        server = _rank_zygote()
+        if server is not None and not zygote.startup_differs(run_env, server.env):
+            args = [sys.executable, zygote.RANK_STUB, *args[1:]]
+            run_env[zygote.RANK_SOCKET] = server.path
+    cmd = [mpirun_path(), "-n", str(n), "--oversubscribe", "--bind-to", "none"] + args
     for _ in range(3):
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=run_env)
         if LAUNCH_RACE not in proc.stdout + proc.stderr:
@@ -136,6 +146,23 @@ def _zygote() -> zygote.Zygote:
     if not _zygotes or not _zygotes[0].alive():
         _zygotes[:] = [zygote.Zygote()]
     return _zygotes[0]
+
+
+_rank_zygotes = []
+
+
+def _rank_zygote() -> zygote.RankZygote | None:
+    """This test process's rank zygote (mpirun's ranks), started on first use; None where
+    it cannot start (a socket path too long for the temporary folder, say): fresh ranks."""
+    if _rank_zygotes == [None]:
+        return None
+    if not _rank_zygotes or not _rank_zygotes[0].alive():
+        try:
+            _rank_zygotes[:] = [zygote.RankZygote()]
+        except (OSError, RuntimeError) as exc:
+            warnings.warn(f"mpirun's ranks start fresh: the rank zygote did not start ({exc})")
+            _rank_zygotes[:] = [None]
+    return _rank_zygotes[0]
 
 
 def fedmpi(args, timeout=600, check=False, cwd=None, env=None, module="fedmpi", fresh=False):

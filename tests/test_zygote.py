@@ -2,8 +2,12 @@
 from: a child of it must be the command a fresh interpreter runs, bar the imports."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import h5py
 import numpy as np
@@ -11,7 +15,8 @@ import pytest
 
 from fedmpi.results import RunFile
 
-from conftest import _zygote, fedmpi
+import zygote
+from conftest import FRESH, _zygote, fedmpi, mpirun, mpirun_path, needs_mpi
 from helpers import write_config
 
 PROBE = """\
@@ -118,3 +123,146 @@ def test_a_forked_run_writes_the_bits_a_fresh_one_writes(tmp_path):
     bad = [fedmpi(["run", tmp_path / "missing.toml"], fresh=fresh) for fresh in (False, True)]
     assert bad[0].returncode == bad[1].returncode == 2 and bad[0].stderr == bad[1].stderr
     assert sys.executable in bad[0].args
+
+
+# ---- mpirun's ranks, forked from the rank zygote (conftest.mpirun) -----------------------
+
+RANK_PROBE = """\
+import json, os, signal, sys, time
+from mpi4py import MPI
+comm = MPI.COMM_WORLD
+total = comm.allreduce(comm.Get_rank() + 1)
+parent = open(f"/proc/{os.getppid()}/cmdline", "rb").read().replace(b"\\0", b" ").decode()
+what = sys.argv[1]
+if what == "report":
+    print(json.dumps({"rank": comm.Get_rank(), "size": comm.Get_size(), "total": total,
+                      "forked": "zygote.py --ranks" in parent, "argv": sys.argv[1:],
+                      "cwd": os.getcwd(), "x": os.environ.get("ZYGOTE_X")}), flush=True)
+    print(f"rank {comm.Get_rank()} to stderr", file=sys.stderr, flush=True)
+elif what == "exit":
+    sys.exit(int(sys.argv[2]) if comm.Get_rank() == 1 else 0)
+elif what == "wait":   # for a signal; says its pid first
+    def got(signum, frame):
+        print(f"rank {comm.Get_rank()} got {signum}", flush=True)
+        sys.exit(0)   # MPI_Finalize on the way out, as a rank must
+    signal.signal(signal.SIGUSR1, got)
+    print(json.dumps({"pid": os.getpid()}), flush=True)
+    time.sleep(60)
+"""
+
+
+@pytest.fixture
+def rank_probe(tmp_path):
+    script = tmp_path / "rank_probe.py"
+    script.write_text(RANK_PROBE)
+    return script
+
+
+def _reports(stdout: str) -> list:
+    return sorted((json.loads(line) for line in stdout.splitlines() if line.startswith("{")),
+                  key=lambda r: r.get("rank", 0))
+
+
+@pytest.mark.slow
+@needs_mpi
+@pytest.mark.skipif(FRESH, reason="FEDMPI_TESTS_FRESH=1: no rank is forked")
+def test_forked_ranks_are_the_ranks_a_fresh_mpirun_starts(rank_probe, tmp_path):
+    """Forked or fresh, a rank gets its argv, working directory, environment, MPI world
+    and descriptors; a variable read at start-up (OMP_NUM_THREADS) gets fresh ranks."""
+    runs = {how: mpirun(3, [sys.executable, str(rank_probe), "report", "a b"], fresh=how == "fresh",
+                        env={"ZYGOTE_X": "1"})
+            for how in ("forked", "fresh")}
+    forked, fresh = (_reports(runs[how].stdout) for how in ("forked", "fresh"))
+    assert [r.pop("forked") for r in forked] == [True] * 3   # the server's children
+    assert [r.pop("forked") for r in fresh] == [False] * 3   # prted's
+    assert forked == fresh == [{"rank": r, "size": 3, "total": 6, "argv": ["report", "a b"],
+                                "cwd": os.getcwd(), "x": "1"} for r in range(3)]
+    assert sorted(runs["forked"].stderr.split("\n")) == sorted(runs["fresh"].stderr.split("\n"))
+    started = mpirun(2, [sys.executable, str(rank_probe), "report"], env={"OMP_NUM_THREADS": "1"})
+    assert [r["forked"] for r in _reports(started.stdout)] == [False, False]
+
+
+@pytest.mark.slow
+@needs_mpi
+def test_a_forked_ranks_exit_status_is_mpiruns(rank_probe):
+    forked, fresh = (mpirun(2, [sys.executable, str(rank_probe), "exit", "3"], check=False,
+                            fresh=how) for how in (False, True))
+    assert forked.returncode == fresh.returncode == 3
+
+
+@pytest.mark.slow
+@needs_mpi
+def test_forked_mpi_runs_write_the_bits_fresh_ones_write(tmp_path):
+    config = write_config(tmp_path / "c.toml", rounds=2)
+    outputs = {fresh: tmp_path / f"{fresh}.h5" for fresh in (False, True)}
+    for fresh, out in outputs.items():
+        mpirun(3, [sys.executable, "-m", "fedmpi", "run", "-q", str(config), "-o", str(out)], fresh=fresh)
+    with RunFile(outputs[False]) as a, RunFile(outputs[True]) as b:
+        assert a.attrs["world_size"] == b.attrs["world_size"] == 3
+        assert np.array_equal(a.model(), b.model())
+        for name in ("test_acc", "train_loss", "fl_bytes_up", "update_norm"):
+            assert np.array_equal(a.rounds()[name], b.rounds()[name], equal_nan=True), name
+
+
+@pytest.mark.slow
+@needs_mpi
+def test_a_signal_to_the_stub_reaches_the_rank_and_a_killed_stub_takes_it_along(rank_probe):
+    """mpirun signals the processes it started, the stubs: one they can catch is passed on
+    to the forked rank; SIGKILL, which a stub cannot pass on, ends the rank all the same."""
+    from conftest import _rank_zygote
+
+    server = _rank_zygote()
+    if server is None:
+        pytest.skip("the rank zygote cannot start here (see the warning)")
+    env = dict(os.environ, **{zygote.RANK_SOCKET: server.path})
+    cmd = [mpirun_path(), "-n", "2", "--oversubscribe", "--bind-to", "none", sys.executable,
+           zygote.RANK_STUB, str(rank_probe), "wait"]
+    for signum in (signal.SIGUSR1, signal.SIGKILL):
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        ranks = [json.loads(proc.stdout.readline())["pid"] for _ in range(2)]
+        stubs = [pid for pid in _descendants(proc.pid) if zygote.RANK_STUB.encode() in _cmdline(pid)]
+        assert len(stubs) == 2 and not set(stubs) & set(ranks)
+        for stub in stubs:
+            os.kill(stub, signum)
+        out, _ = proc.communicate(timeout=60)
+        deadline = time.time() + 10
+        while time.time() < deadline and any(_alive(pid) for pid in ranks):
+            time.sleep(0.05)
+        assert not any(_alive(pid) for pid in ranks), signum
+        if signum == signal.SIGUSR1:
+            assert proc.returncode == 0 and sorted(out.splitlines()) == ["rank 0 got 10", "rank 1 got 10"]
+        else:
+            assert proc.returncode != 0
+    assert server.alive()
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _descendants(pid: int) -> list[int]:
+    children = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie (a killed rank waits for the server to reap it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -22,6 +22,15 @@ native library reads at start-up (PYTHON* but PYTHONPATH, OMP_*, MKL_*, LD_*, ..
 to a fresh process instead (conftest.fedmpi), as does everything under
 ``FEDMPI_TESTS_FRESH=1``.
 
+mpirun's ranks cost the same 2 s each, and the suite starts some 260 of them: with
+``--ranks SOCKET`` this script is a second server, for them. ``conftest.mpirun`` starts
+``tests/zygote_rank.py`` under mpirun in place of ``python``; that stub (no torch) hands
+the rank's environment, arguments and descriptors 0-2 to the server, which forks the
+rank from its imports; the stub passes on the signals mpirun sends it, ends as the rank
+ends, and a stub killed outright takes its rank along (``become_rank``). MPI itself is
+initialised in the rank, after the fork, from the rank's environment, as in a fresh one.
+The kill and signal tests, which signal ranks by their pids, start theirs fresh.
+
 Protocol (one JSON line each way, on the server's stdin and stdout): the client writes
 ``{"module", "args", "env", "cwd", "stdout", "stderr"}`` (the last two: files for the
 child's descriptors 1 and 2); the server answers ``{"pid"}`` once the child exists and
@@ -53,6 +62,18 @@ def startup_differs(env: dict, reference: dict) -> bool:
     keys = set(env) | set(reference)
     return any(env.get(k) != reference.get(k) for k in keys
                if k.startswith(STARTUP_PREFIXES) and k != "PYTHONPATH")
+
+
+def rank_startup_differs(env: dict, reference: dict) -> bool:
+    """``startup_differs`` for a rank of mpirun, which puts its own library folder
+    (OMPI_LIBDIR_LOC, where libmpi is) on LD_LIBRARY_PATH: only MPI loads from there,
+    and it loads once the rank imports mpi4py.MPI, after the fork, the same library."""
+    own = env.get("OMPI_LIBDIR_LOC")
+    paths = [p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p and p != own]
+    env = {k: v for k, v in env.items() if k != "LD_LIBRARY_PATH"}
+    if paths:
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(paths)
+    return startup_differs(env, reference)
 
 
 # ---- the client: one server per test process, started on first use ----------------------
@@ -110,6 +131,36 @@ class Zygote:
         shutil.rmtree(self.files, ignore_errors=True)
 
 
+class RankZygote:
+    """The rank server: ``python zygote.py --ranks SOCKET``, started on first use by a test
+    process; mpirun's ranks reach it through ``tests/zygote_rank.py`` (``RANK_STUB``)."""
+
+    def __init__(self):
+        self.env = dict(os.environ)
+        self.files = tempfile.mkdtemp(prefix="fedmpi-ranks-")
+        self.path = os.path.join(self.files, "ranks.sock")
+        self.proc = subprocess.Popen([sys.executable, __file__, "--ranks", self.path],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env=self.env)
+        ready = self.proc.stdout.readline()
+        if json.loads(ready or "null") != "ready":
+            raise RuntimeError(f"the test rank zygote did not start: {ready!r}")
+        atexit.register(self.close)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def close(self):
+        self.proc.stdin.close()   # the server ends at the end of its input
+        self.proc.wait()
+        self.proc.stdout.close()
+        shutil.rmtree(self.files, ignore_errors=True)
+
+
+RANK_STUB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zygote_rank.py")
+RANK_SOCKET = "FEDMPI_TEST_RANK_ZYGOTE"
+
+
 def _kill(pid, done: threading.Event):
     """A timeout: kill -9, as subprocess.run does (the server reaps the child; until it
     has answered, the pid is the child's or its zombie's)."""
@@ -122,8 +173,9 @@ def _kill(pid, done: threading.Event):
 
 # ---- the server --------------------------------------------------------------------------
 
-def serve() -> dict:
-    """Preload, then fork one child per request; returns only in a child, with its request."""
+def preload() -> list[str]:
+    """Import what the commands import; returns sys.path less this script's folder and
+    PYTHONPATH (what a fresh interpreter has after them: the standard library, site)."""
     import gc
     import importlib
 
@@ -133,8 +185,12 @@ def serve() -> dict:
     # Every object so far lives as long as the server: frozen, the children's collections
     # (and their last ones, at exit) skip them, and leave their pages shared.
     gc.freeze()
-    base_path = [p for p in sys.path[1:]
-                 if p not in os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    return [p for p in sys.path[1:] if p not in os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+
+
+def serve() -> dict:
+    """Preload, then fork one child per request; returns only in a child, with its request."""
+    base_path = preload()
     print(json.dumps("ready"), flush=True)
     for line in iter(sys.stdin.readline, ""):
         request = json.loads(line)
@@ -148,6 +204,115 @@ def serve() -> dict:
         _, status = os.waitpid(pid, 0)
         print(json.dumps({"status": os.waitstatus_to_exitcode(status)}), flush=True)
     sys.exit(0)
+
+
+def serve_ranks(path: str) -> tuple[dict, list[int]]:
+    """Preload, then serve mpirun's ranks on the Unix socket ``path`` (SOCK_SEQPACKET:
+    one message a request): each connection brings a rank's request and its descriptors 0,
+    1 and 2, and gets ``{"pid"}`` once its child exists, ``{"status"}`` once that has
+    ended, or ``{"fresh": true}`` where the rank's environment changes what a fresh
+    interpreter would read at start-up (the stub then execs one). The ranks of a launch
+    arrive together: children run at once, reaped as SIGCHLD wakes the loop. Returns only
+    in a child, with its request and descriptors; ends at the end of its input."""
+    import select
+    import signal
+    import socket
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)   # first: a path it cannot bind fails before seconds of imports
+    listener.listen(64)
+    base_path = preload()
+    wake_r, wake_w = os.pipe()
+    for fd in (wake_r, wake_w):
+        os.set_blocking(fd, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+    print(json.dumps("ready"), flush=True)
+    waiting = {}   # child pid -> its rank's connection
+    while True:
+        ready = select.select([listener, wake_r, 0], [], [])[0]
+        if 0 in ready and not os.read(0, 4096):
+            break   # the test process has closed our input
+        if wake_r in ready:
+            while True:
+                try:
+                    if not os.read(wake_r, 4096):
+                        break
+                except BlockingIOError:
+                    break
+        if listener in ready:
+            conn, _ = listener.accept()
+            message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+            request = json.loads(message)
+            if rank_startup_differs(request["env"], dict(os.environ)) or len(fds) != 3:
+                conn.send(json.dumps({"fresh": True}).encode())
+                for fd in fds:
+                    os.close(fd)
+                conn.close()
+                continue
+            if threading.active_count() != 1:
+                raise RuntimeError("the test rank zygote started a thread: it cannot fork")
+            pid = os.fork()
+            if pid == 0:
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                for sock in (listener, conn, *waiting.values()):
+                    sock.close()
+                for fd in (wake_r, wake_w):
+                    os.close(fd)
+                request["base_path"] = base_path
+                return request, fds
+            for fd in fds:
+                os.close(fd)
+            conn.send(json.dumps({"pid": pid}).encode())
+            waiting[pid] = conn
+        while waiting:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            conn = waiting.pop(pid, None)
+            if conn is not None:
+                try:
+                    conn.send(json.dumps({"status": os.waitstatus_to_exitcode(status)}).encode())
+                except OSError:   # the stub has gone (killed): nobody to tell
+                    pass
+                conn.close()
+    sys.exit(0)
+
+
+def become_rank(request: dict, fds: list[int]) -> None:
+    """Turn this forked child into the rank's ``python ARGV`` (``-m MODULE ARGS`` or
+    ``SCRIPT ARGS``) on the rank's own descriptors, and tie its life to the stub's: mpirun
+    signals and kills the stub, which passes the signals it can catch on, and a stub
+    killed outright (SIGKILL) takes this process with it."""
+    import select
+    import signal
+
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    _kept.append(sys.stdin)
+    sys.stdin = sys.__stdin__ = open(0, closefd=False)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    argv = request["argv"]
+    first = os.getcwd() if argv[0] == "-m" else os.path.dirname(os.path.abspath(argv[0]))
+    extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:] = [first, *extra, *request["base_path"]]
+    sys.argv = ["-m", *argv[2:]] if argv[0] == "-m" else list(argv)   # runpy sets argv[0]
+    import importlib
+    importlib.invalidate_caches()
+    try:
+        stub = os.pidfd_open(request["pid"])
+    except ProcessLookupError:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def die_with_the_stub():
+        select.select([stub], [], [])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=die_with_the_stub, daemon=True, name="zygote-rank").start()
 
 
 _kept = []
@@ -181,8 +346,9 @@ def end(code) -> None:
     and of the C++ libraries' statics, which leave nothing behind that a process's end
     does not: in a forked child they write to most of the pages it shares with the server,
     and copying those took 0.3 s of CPU per command, more than most commands. Kept: the
-    exit status, the wait for non-daemon threads, the atexit handlers, and the flushes of
-    stdout and stderr (status 120 where stdout's fails, as Python's). Where an HDF5 file
+    exit status, the wait for non-daemon threads, the atexit handlers, MPI_Finalize in a
+    rank (mpi4py's, at the very end of a teardown), and the flushes of stdout and stderr
+    (status 120 where stdout's fails, as Python's). Where an HDF5 file
     is still open, whose closing the teardown would do, or ``code`` is a message, this
     returns and the interpreter's own ending runs whole."""
     import atexit
@@ -194,6 +360,9 @@ def end(code) -> None:
     h5f = sys.modules["h5py"].h5f
     if h5f.get_obj_count(h5f.OBJ_ALL, h5f.OBJ_FILE):
         return
+    mpi = sys.modules.get("mpi4py.MPI")   # a rank: MPI_Finalize, which mpi4py leaves to
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():   # the teardown
+        mpi.Finalize()
     status = code or 0
     try:
         sys.stdout.flush()
@@ -207,13 +376,22 @@ def end(code) -> None:
 
 
 if __name__ == "__main__":
-    _request = serve()
-    become(_request)
-    _module = _request["module"]
-    del _request
     import runpy
+    if sys.argv[1:2] == ["--ranks"]:
+        _request, _fds = serve_ranks(sys.argv[2])
+        become_rank(_request, _fds)
+        _argv = _request["argv"]
+        del _request, _fds
+        _run = (lambda: runpy.run_module(_argv[1], run_name="__main__", alter_sys=True)) \
+            if _argv[0] == "-m" else (lambda: runpy.run_path(_argv[0], run_name="__main__"))
+    else:
+        _request = serve()
+        become(_request)
+        _module = _request["module"]
+        del _request
+        _run = lambda: runpy.run_module(_module, run_name="__main__", alter_sys=True)   # noqa: E731
     try:
-        runpy.run_module(_module, run_name="__main__", alter_sys=True)
+        _run()
     except SystemExit as _exit:
         end(_exit.code)
         raise   # the interpreter's own ending, whole
