@@ -78,17 +78,38 @@ def rank_startup_differs(env: dict, reference: dict) -> bool:
 
 # ---- the client: one server per test process, started on first use ----------------------
 
-class Zygote:
+class _Server:
+    """``python zygote.py ARGS``, this test process's: ready once it has said so; it ends
+    at the end of its input (``close``, at the latest as the test process exits)."""
+
     def __init__(self):
         self.env = dict(os.environ)
         self.files = tempfile.mkdtemp(prefix="fedmpi-zygote-")
-        self.proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=self.env)
-        self.lock = threading.Lock()
+        self.proc = subprocess.Popen([sys.executable, __file__, *self.arguments()],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env=self.env)
         ready = self.proc.stdout.readline()
         if json.loads(ready or "null") != "ready":
             raise RuntimeError(f"the test zygote did not start: {ready!r}")
         atexit.register(self.close)
+
+    def arguments(self) -> list[str]:
+        return []
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def close(self):
+        self.proc.stdin.close()   # the server ends at the end of its input
+        self.proc.wait()
+        self.proc.stdout.close()
+        shutil.rmtree(self.files, ignore_errors=True)
+
+
+class Zygote(_Server):
+    def __init__(self):
+        self.lock = threading.Lock()
+        super().__init__()
 
     def run(self, module: str, args: list[str], env: dict, cwd: str,
             timeout: float) -> subprocess.CompletedProcess:
@@ -121,40 +142,15 @@ class Zygote:
             raise RuntimeError(f"the test zygote ended (exit {self.proc.wait()}); see its stderr")
         return json.loads(line)
 
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def close(self):
-        self.proc.stdin.close()   # the server ends at the end of its input
-        self.proc.wait()
-        self.proc.stdout.close()
-        shutil.rmtree(self.files, ignore_errors=True)
 
 
-class RankZygote:
+class RankZygote(_Server):
     """The rank server: ``python zygote.py --ranks SOCKET``, started on first use by a test
     process; mpirun's ranks reach it through ``tests/zygote_rank.py`` (``RANK_STUB``)."""
 
-    def __init__(self):
-        self.env = dict(os.environ)
-        self.files = tempfile.mkdtemp(prefix="fedmpi-ranks-")
+    def arguments(self) -> list[str]:
         self.path = os.path.join(self.files, "ranks.sock")
-        self.proc = subprocess.Popen([sys.executable, __file__, "--ranks", self.path],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     env=self.env)
-        ready = self.proc.stdout.readline()
-        if json.loads(ready or "null") != "ready":
-            raise RuntimeError(f"the test rank zygote did not start: {ready!r}")
-        atexit.register(self.close)
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def close(self):
-        self.proc.stdin.close()   # the server ends at the end of its input
-        self.proc.wait()
-        self.proc.stdout.close()
-        shutil.rmtree(self.files, ignore_errors=True)
+        return ["--ranks", self.path]
 
 
 RANK_STUB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zygote_rank.py")
@@ -291,18 +287,11 @@ def become_rank(request: dict, fds: list[int]) -> None:
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
-    _kept.append(sys.stdin)
-    sys.stdin = sys.__stdin__ = open(0, closefd=False)
-    os.chdir(request["cwd"])
-    os.environ.clear()
-    os.environ.update(request["env"])
     argv = request["argv"]
-    first = os.getcwd() if argv[0] == "-m" else os.path.dirname(os.path.abspath(argv[0]))
-    extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
-    sys.path[:] = [first, *extra, *request["base_path"]]
-    sys.argv = ["-m", *argv[2:]] if argv[0] == "-m" else list(argv)   # runpy sets argv[0]
-    import importlib
-    importlib.invalidate_caches()
+    if argv[0] == "-m":
+        _take_on(request, ["-m", *argv[2:]], None)   # runpy sets argv[0]
+    else:
+        _take_on(request, list(argv), os.path.dirname(os.path.abspath(argv[0])))
     try:
         stub = os.pidfd_open(request["pid"])
     except ProcessLookupError:
@@ -327,16 +316,22 @@ def become(request: dict) -> None:
         os.dup2(target, fd)
         os.close(target)
     os.close(null)
-    # The server's stdin object read the requests: a fresh one on /dev/null (the old one
-    # kept, or its finaliser would close descriptor 0).
+    _take_on(request, ["-m", *request["args"]], None)   # runpy puts the module's file first
+
+
+def _take_on(request: dict, argv: list[str], first: str | None) -> None:
+    """The request's working directory, environment, ``sys.argv`` and ``sys.path`` (``first``,
+    the script's folder, or the working directory for ``-m``; then PYTHONPATH), and a
+    ``sys.stdin`` on the new descriptor 0: the server's read the requests (kept, or its
+    finaliser would close descriptor 0)."""
     _kept.append(sys.stdin)
     sys.stdin = sys.__stdin__ = open(0, closefd=False)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
     extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
-    sys.path[:] = [os.getcwd(), *extra, *request["base_path"]]
-    sys.argv = ["-m", *request["args"]]   # runpy puts the module's file first
+    sys.path[:] = [first or os.getcwd(), *extra, *request["base_path"]]
+    sys.argv = argv
     import importlib
     importlib.invalidate_caches()
 
