@@ -266,3 +266,25 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+@pytest.mark.slow
+@needs_mpi
+def test_the_rank_server_serves_on_after_requests_that_are_not_whole(rank_probe):
+    """A stub that dies mid-request (or anything else on its socket) costs no rank."""
+    import socket
+
+    from conftest import _rank_zygote
+
+    server = _rank_zygote()
+    if server is None:
+        pytest.skip("the rank zygote cannot start here (see the warning)")
+    for payload in (None, b"", b"not json", b'{"argv": ["x"]}'):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+            sock.connect(server.path)
+            if payload is not None:
+                sock.send(payload)
+                sock.recv(4096)   # an answer, or the end of the connection
+    assert server.alive()
+    report = _reports(mpirun(2, [sys.executable, str(rank_probe), "report"]).stdout)
+    assert [r["forked"] for r in report] == ([False, False] if FRESH else [True, True])

@@ -143,7 +143,6 @@ class Zygote(_Server):
         return json.loads(line)
 
 
-
 class RankZygote(_Server):
     """The rank server: ``python zygote.py --ranks SOCKET``, started on first use by a test
     process; mpirun's ranks reach it through ``tests/zygote_rank.py`` (``RANK_STUB``)."""
@@ -238,13 +237,13 @@ def serve_ranks(path: str) -> tuple[dict, list[int]]:
                     break
         if listener in ready:
             conn, _ = listener.accept()
-            message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
-            request = json.loads(message)
-            if rank_startup_differs(request["env"], dict(os.environ)) or len(fds) != 3:
-                conn.send(json.dumps({"fresh": True}).encode())
+            request, fds = _read_request(conn)
+            if request is None:
+                continue
+            if rank_startup_differs(request["env"], dict(os.environ)):
                 for fd in fds:
                     os.close(fd)
-                conn.close()
+                _tell(conn, {"fresh": True})
                 continue
             if threading.active_count() != 1:
                 raise RuntimeError("the test rank zygote started a thread: it cannot fork")
@@ -253,27 +252,60 @@ def serve_ranks(path: str) -> tuple[dict, list[int]]:
                 signal.set_wakeup_fd(-1)
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                 for sock in (listener, conn, *waiting.values()):
-                    sock.close()
+                    if sock is not None:
+                        sock.close()
                 for fd in (wake_r, wake_w):
                     os.close(fd)
                 request["base_path"] = base_path
                 return request, fds
             for fd in fds:
                 os.close(fd)
-            conn.send(json.dumps({"pid": pid}).encode())
             waiting[pid] = conn
+            if not _tell(conn, {"pid": pid}, close=False):   # the stub has gone: so will the rank
+                waiting[pid] = None
         while waiting:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
             if pid == 0:
                 break
             conn = waiting.pop(pid, None)
             if conn is not None:
-                try:
-                    conn.send(json.dumps({"status": os.waitstatus_to_exitcode(status)}).encode())
-                except OSError:   # the stub has gone (killed): nobody to tell
-                    pass
-                conn.close()
+                _tell(conn, {"status": os.waitstatus_to_exitcode(status)})
     sys.exit(0)
+
+
+def _read_request(conn) -> tuple[dict | None, list[int]]:
+    """A stub's request and its descriptors 0-2; (None, []) and the connection closed
+    where it is not whole (the stub died mid-request, or something else wrote)."""
+    import socket
+
+    fds = []
+    try:
+        message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+        request = json.loads(message)
+        if isinstance(request, dict) and {"argv", "env", "cwd", "pid"} <= set(request) \
+                and request["argv"] and len(fds) == 3:
+            return request, fds
+    except (OSError, ValueError):
+        pass
+    for fd in fds:
+        os.close(fd)
+    conn.close()
+    return None, []
+
+
+def _tell(conn, answer: dict, close: bool = True) -> bool:
+    """Send a stub ``answer``; False where it has gone (killed: nobody to tell)."""
+    try:
+        conn.send(json.dumps(answer).encode())
+        told = True
+    except OSError:
+        told = False
+    if close or not told:
+        conn.close()
+    return told
 
 
 def become_rank(request: dict, fds: list[int]) -> None:
