@@ -8,6 +8,7 @@ sharing it) for the tests that hold there too: tests/test_kill_resume.py, whose 
 all deterministic."""
 
 import os
+import subprocess
 from pathlib import Path
 
 from fedmpi.config import to_toml
@@ -77,3 +78,18 @@ def run_and_resume(values: dict, tmp_path: Path):
     exp = run_experiment(config.from_dict({**values, "output": str(crashed)}), LocalComm(),
                          quiet=True, resume=True)
     return crashed, exp
+
+
+def descendants(pid: int) -> list[int]:
+    """The pids of ``pid``'s children, theirs, and so on (mpirun's ranks, say)."""
+    out = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True).stdout
+    children: dict[int, list[int]] = {}
+    for line in out.splitlines():
+        p, pp = map(int, line.split())
+        children.setdefault(pp, []).append(p)
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found

@@ -22,7 +22,7 @@ from fedmpi.results import RunFile, repair
 from fedmpi.runtime import EXIT_PREEMPTED, run_experiment
 
 from conftest import ROOT, fedmpi, mpirun, mpirun_path, needs_mpi
-from helpers import SSL, TINY, merged, write_config
+from helpers import SSL, TINY, descendants, merged, write_config
 
 # ~15 ms a round on one process (~40 ms on 3 ranks here): the tests stop it at round 3 or
 # 10, and 50 rounds later it would end by itself
@@ -398,7 +398,7 @@ def _rank_pids(mpirun_pid: int, n: int = 3) -> list[int]:
     ranks = {}
     deadline = time.time() + 30
     while time.time() < deadline and len(ranks) < n:
-        for pid in _descendants(mpirun_pid):
+        for pid in descendants(mpirun_pid):
             try:
                 env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             except OSError:
@@ -408,17 +408,3 @@ def _rank_pids(mpirun_pid: int, n: int = 3) -> list[int]:
                     ranks[int(item.split(b"=")[1])] = pid
         time.sleep(0.05)
     return [ranks[r] for r in sorted(ranks)]
-
-
-def _descendants(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True).stdout
-    children: dict[int, list[int]] = {}
-    for line in out.splitlines():
-        p, pp = map(int, line.split())
-        children.setdefault(pp, []).append(p)
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found

@@ -17,7 +17,7 @@ from fedmpi.results import RunFile
 
 import zygote
 from conftest import FRESH, _zygote, fedmpi, mpirun, mpirun_path, needs_mpi
-from helpers import write_config
+from helpers import descendants, write_config
 
 PROBE = """\
 import atexit, json, os, sys
@@ -220,7 +220,7 @@ def test_a_signal_to_the_stub_reaches_the_rank_and_a_killed_stub_takes_it_along(
     for signum in (signal.SIGUSR1, signal.SIGKILL):
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         ranks = [json.loads(proc.stdout.readline())["pid"] for _ in range(2)]
-        stubs = [pid for pid in _descendants(proc.pid) if zygote.RANK_STUB.encode() in _cmdline(pid)]
+        stubs = [pid for pid in descendants(proc.pid) if zygote.RANK_STUB.encode() in _cmdline(pid)]
         assert len(stubs) == 2 and not set(stubs) & set(ranks)
         for stub in stubs:
             os.kill(stub, signum)
@@ -241,23 +241,6 @@ def _cmdline(pid: int) -> bytes:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return b""
-
-
-def _descendants(pid: int) -> list[int]:
-    children = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        found += kids
-        todo += kids
-    return found
 
 
 def _alive(pid: int) -> bool:

@@ -147,8 +147,11 @@ class RankZygote(_Server):
     """The rank server: ``python zygote.py --ranks SOCKET``, started on first use by a test
     process; mpirun's ranks reach it through ``tests/zygote_rank.py`` (``RANK_STUB``)."""
 
+    @property
+    def path(self) -> str:
+        return os.path.join(self.files, "ranks.sock")
+
     def arguments(self) -> list[str]:
-        self.path = os.path.join(self.files, "ranks.sock")
         return ["--ranks", self.path]
 
 
@@ -229,12 +232,7 @@ def serve_ranks(path: str) -> tuple[dict, list[int]]:
         if 0 in ready and not os.read(0, 4096):
             break   # the test process has closed our input
         if wake_r in ready:
-            while True:
-                try:
-                    if not os.read(wake_r, 4096):
-                        break
-                except BlockingIOError:
-                    break
+            os.read(wake_r, 4096)   # the wake-ups: one byte per signal, nothing else
         if listener in ready:
             conn, _ = listener.accept()
             request, fds = _read_request(conn)
