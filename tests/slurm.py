@@ -18,7 +18,13 @@ Choices that make one small machine a usable cluster:
 - ``cred_expire=10``: a requeued job waits this long before it may start again
   (default 120 s), which is what the preemption test waits through;
 - ``MinJobAge=600``: finished jobs stay visible to ``scontrol show job`` (there is no
-  accounting database, so no sacct).
+  accounting database, so no sacct);
+- ``FirstJobId``/``MaxJobId``: each cluster on the machine numbers its jobs from a block
+  of its own, held by a lock for the cluster's life. Every pytest-xdist worker starts a
+  cluster, and two clusters both running job 2 collide: the PMIx plugin names its
+  directories by job and step id alone, so the second ``srun --mpi=pmix`` step fails to
+  launch ("task 0 launch failed: Unspecified error", caught by CI), and a test that finds
+  a job's ranks by SLURM_JOB_ID would find the other cluster's too.
 
 ``ensure_installed`` installs the packages with apt-get when we are root and they are
 missing (once per machine: the outcome of a failed attempt is cached), with
@@ -30,6 +36,7 @@ the daemon log's last lines; the fixture turns that into a skip.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import glob
 import os
 import re
@@ -52,6 +59,9 @@ TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_
 _SBIN = ("/usr/sbin", "/sbin", "/usr/local/sbin")
 _PR_SET_PDEATHSIG = 1
 _INSTALL_FAILED = Path(tempfile.gettempdir()) / "fedmpi-slurm-install-failed.txt"
+# Job ids in blocks of JOB_ID_BLOCK, BLOCKS of them under SLURM's default MaxJobId (67043328)
+JOB_ID_BLOCK, BLOCKS = 65536, 1000
+_JOB_ID_LOCKS = Path(tempfile.gettempdir()) / "fedmpi-slurm-job-ids"
 
 
 class SlurmUnavailable(Exception):
@@ -104,6 +114,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _claim_job_ids():
+    """(first job id, the open lock file that holds its block): the first block, from one
+    that depends on our pid on, that no living process holds (flock ends with its holder)."""
+    _JOB_ID_LOCKS.mkdir(exist_ok=True)
+    for i in range(BLOCKS):
+        block = (os.getpid() + i) % BLOCKS
+        lock = open(_JOB_ID_LOCKS / f"{block}.lock", "w")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            continue
+        return block * JOB_ID_BLOCK + 1, lock
+    raise SlurmUnavailable(f"all {BLOCKS} job-id blocks in {_JOB_ID_LOCKS} are held")
+
+
 def _memory_mb() -> int:
     with open("/proc/meminfo") as f:
         total_kb = int(f.readline().split()[1])
@@ -125,6 +151,7 @@ class LocalSlurm:
         self.conf = self.root / "slurm.conf"
         self.munge_socket = self.root / "munge" / "munge.socket"
         self.procs: dict[str, subprocess.Popen] = {}
+        self._job_ids = None   # the lock on our block of job ids, while the cluster lives
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self, timeout: float = 60) -> "LocalSlurm":
@@ -153,6 +180,9 @@ class LocalSlurm:
             _terminate(self.procs[name])
         self.procs.clear()
         shutil.rmtree(self.root, ignore_errors=True)
+        if self._job_ids is not None:
+            self._job_ids.close()
+            self._job_ids = None
 
     def __enter__(self) -> "LocalSlurm":
         return self.start()
@@ -167,6 +197,7 @@ class LocalSlurm:
         # munged wants its socket's directories searchable by everyone
         self.root.chmod(0o711)
         (self.root / "munge").chmod(0o711)
+        first_job_id, self._job_ids = _claim_job_ids()
         self.conf.write_text("\n".join([
             "ClusterName=fedmpitest",
             f"SlurmctldHost={self.node}(127.0.0.1)",
@@ -192,6 +223,8 @@ class LocalSlurm:
             "JobRequeue=1",
             "ReturnToService=2",
             "MinJobAge=600",
+            f"FirstJobId={first_job_id}",
+            f"MaxJobId={first_job_id + JOB_ID_BLOCK - 1}",
             "KillWait=10",
             "InactiveLimit=0",
             "SchedulerParameters=sched_interval=2",

@@ -139,6 +139,30 @@ def test_templates_refuse_numbers_in_the_environment_that_are_not_numbers(tmp_pa
 # ---- against the local cluster ----------------------------------------------------------
 
 @pytest.mark.slow
+def test_clusters_side_by_side_number_their_jobs_apart_and_both_launch(cluster, launcher):
+    """CI: each pytest-xdist worker runs a cluster of its own, and two clusters that both
+    ran job 2 at once collided in the PMIx plugin's directories (named by job and step id
+    alone): the second srun step failed with "task 0 launch failed: Unspecified error".
+    Two more clusters here, fresh (each would start at job 1 were it not for its block of
+    job ids), launch 3-rank steps at the same moment."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    mpi = ["--mpi=pmix"] if launcher == "srun" else []
+    step = ["srun", *mpi, "-n", "3", "bash", "-c", "echo $SLURM_JOB_ID; sleep 1"]
+    with LocalSlurm() as a, LocalSlurm() as b:
+        ranges = [tuple(int(re.search(rf"^{key}=(\d+)$", c.conf.read_text(), re.M).group(1))
+                        for key in ("FirstJobId", "MaxJobId")) for c in (cluster, a, b)]
+        assert all(hi < lo2 or hi2 < lo for i, (lo, hi) in enumerate(ranges)
+                   for (lo2, hi2) in ranges[i + 1:]), ranges
+        with ThreadPoolExecutor(2) as pool:
+            procs = list(pool.map(lambda c: c.client(step, check=False), (a, b)))
+    for proc, (lo, hi) in zip(procs, ranges[1:]):
+        ids = proc.stdout.split()
+        assert len(ids) == 3 and len(set(ids)) == 1 and lo <= int(ids[0]) <= hi, proc.stdout + proc.stderr
+        assert "launch failed" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.slow
 def test_single_node_template_runs_a_config(cluster, launcher, tmp_path):
     config = write_config(tmp_path / "tiny.toml", rounds=3, output="runs/tiny.h5")
     job = submit(cluster, "single_node.sbatch", [config.name], tmp_path, ["--ntasks=3"], launcher)
