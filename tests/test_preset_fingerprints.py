@@ -1,5 +1,6 @@
 """A refactor must not change a bit: every preset and algorithm, 2 small deterministic
-rounds, against the fingerprints stored before (tools/preset_fingerprints.py)."""
+rounds, against the fingerprints stored before for this kind of machine
+(tools/preset_fingerprints.py: a set per kernel canary)."""
 
 import json
 import sys
@@ -16,9 +17,50 @@ STORED = ROOT / "tests" / "data" / "preset_fingerprints.json"
 
 @pytest.mark.slow
 def test_every_preset_and_algorithm_gives_the_stored_bits():
-    stored = json.loads(STORED.read_text())
-    found = preset_fingerprints.all_fingerprints()
-    assert sorted(found) == sorted(stored), "cases added or removed: regenerate on purpose"
-    changed = {case: [part for part in stored[case] if found[case][part] != stored[case][part]]
-               for case in stored if found[case] != stored[case]}
-    assert not changed, f"results changed: {changed}"
+    canary, found = preset_fingerprints.all_fingerprints()
+    verdict, message = preset_fingerprints.compare(json.loads(STORED.read_text()), canary, found)
+    if verdict == "no set":
+        pytest.skip(message)
+    assert verdict == "same", message
+
+
+def _family(cpu, **cases):
+    return {"cpu": cpu, "fingerprints": {case: {"model": m, "rounds": "r", "clients": "c"}
+                                         for case, m in cases.items()}}
+
+
+def test_the_set_for_this_machines_canary_is_the_one_compared():
+    stored = {"aaaa": _family("A", x="1", y="2"), preset_fingerprints.UNRECORDED: _family("old", x="9", y="9")}
+    found = _family("", x="1", y="2")["fingerprints"]
+    assert preset_fingerprints.compare(stored, "aaaa", found)[0] == "same"
+    verdict, message = preset_fingerprints.compare(stored, "aaaa", {**found, "y": {**found["y"], "model": "3"}})
+    assert verdict == "changed" and "'y': ['model']" in message and "canary aaaa (A)" in message
+    # another machine's kernels: the set without a canary, when there is one
+    assert preset_fingerprints.compare(stored, "bbbb", found)[0] == "changed"
+    assert preset_fingerprints.compare(stored, "bbbb", _family("", x="9", y="9")["fingerprints"])[0] == "same"
+    del stored[preset_fingerprints.UNRECORDED]
+    verdict, message = preset_fingerprints.compare(stored, "bbbb", found)
+    assert verdict == "no set" and "canary bbbb" in message and "--add" in message
+    verdict, message = preset_fingerprints.compare(stored, "aaaa", {"x": found["x"]})
+    assert verdict == "changed" and "['y']" in message
+
+
+@pytest.mark.slow
+def test_the_canary_is_this_machines_and_each_pin_moves_it(tmp_path):
+    """The canary repeats in a fresh pinned process, and differs when any one of the four
+    libraries' pins does: it sees every library that picks kernels by the CPU."""
+    import os
+    import subprocess
+
+    code = "import sys; sys.path.insert(0, 'tools'); import preset_fingerprints as p; print(p.kernel_canary())"
+
+    def canary(**change):
+        env = {**os.environ, **preset_fingerprints.PINNED, **change, "OMP_NUM_THREADS": "1"}
+        return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                              text=True, check=True, timeout=300).stdout.strip()
+
+    pinned = canary()
+    assert len(pinned) == 16 and canary() == pinned
+    for change in ({"MKL_CBWR": "COMPATIBLE"}, {"ATEN_CPU_CAPABILITY": "default"},
+                   {"ONEDNN_MAX_CPU_ISA": "SSE41"}, {"OPENBLAS_CORETYPE": "Sandybridge"}):
+        assert canary(**change) != pinned, change

@@ -1,7 +1,8 @@
 """Fingerprints of every preset's results: a refactor of the runtime must not change a bit.
 
-    python tools/preset_fingerprints.py --write tests/data/preset_fingerprints.json
     python tools/preset_fingerprints.py            # compare with the stored ones
+    python tools/preset_fingerprints.py --write    # results changed on purpose: store anew
+    python tools/preset_fingerprints.py --add      # a new kind of machine: add its set
 
 Each preset, and every algorithm without a preset of its own on the `default` preset
 (self-supervised ones on `fussl_fmnist_silo`), runs single-process (two cases at a time, in
@@ -16,11 +17,19 @@ the final model. `tests/test_preset_fingerprints.py` does the comparison.
 Bitwise equality needs the same kernels, and MKL, oneDNN and PyTorch's own vectorised
 kernels each pick theirs by the CPU's instruction set, as does the OpenBLAS inside numpy's
 wheel (the server's float64 algebra: FedU^2's EUA weights differ in their last bits, and
-so do the round metrics that report them): on AVX-512 and on AVX2 machines the same run
-differs in its last bits. The worker processes therefore run with all four pinned to
-their AVX2 code paths (``PINNED``), which any x86-64 CPU of the last decade has, so the
-stored set does not depend on whether a CI machine has AVX-512 (same torch version and
-CPU build; on an AVX2 machine the pinned bits are the native ones).
+so do the round metrics that report them). The worker processes therefore run with all
+four pinned to their AVX2 code paths (``PINNED``), which any x86-64 CPU of the last
+decade has. That made an AVX2-only AMD EPYC and an AVX-512 machine agree, but not a Xeon
+with AMX: pinned as well, every case there differs in its last bits (numpy's version is
+not the cause: 2.3.5 and 2.4.6 give the same bits there).
+
+So the stored sets are kept per kind of machine, each under its *kernel canary*: one
+training step of each model family the cases use (the CNN both layouts, the ResNet-18)
+and the server's float64 algebra, on fixed inputs, in the same pinned workers, hashed.
+Machines whose canaries agree ran the same kernels; the comparison takes the set stored
+under this machine's canary. The set written before canaries existed (``UNRECORDED``, on
+the AMD machine) is the comparison for a machine whose canary has no set, until the next
+``--write`` replaces every set; a machine with neither has nothing to compare with.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ import torch
 
 from fedmpi import config as cfgmod
 from fedmpi.comm import LocalComm
+from fedmpi.models import build_model
 from fedmpi.results import RunFile
 from fedmpi.runtime import run_experiment
 
@@ -50,6 +60,8 @@ CLIENT_MACHINE_COLUMNS = ("seconds", "rank")
 
 
 SSL_BASE = "fussl_fmnist_silo"
+UNRECORDED = "unrecorded"   # the canary of the set stored before canaries were
+STORED = Path(__file__).resolve().parents[1] / "tests" / "data" / "preset_fingerprints.json"
 
 
 def small(preset: str) -> list[str]:
@@ -125,10 +137,33 @@ def _digest(columns: dict) -> str:
     return h.hexdigest()
 
 
-def all_fingerprints(processes: int = 2) -> dict[str, dict[str, str]]:
-    """Every case, in ``processes`` fresh processes at once (each run uses one thread),
-    whose kernels are pinned (``PINNED``): every process starts, on demand, within this
-    call, with PINNED in its environment before MKL, oneDNN, ATen or OpenBLAS choose."""
+def kernel_canary() -> str:
+    """What this machine's pinned kernels make of fixed inputs: the gradients of one step
+    of each model family the cases train, and the server's float64 algebra (a Gram matrix
+    and a least-squares solve, as FedU^2's EUA does). Changing any one library's pin
+    changes it."""
+    digest = hashlib.sha256()
+    for name, channels, size, layout in (("cnn", 1, 28, torch.channels_last),
+                                         ("cnn", 1, 28, torch.contiguous_format),
+                                         ("resnet18", 3, 16, torch.channels_last)):
+        torch.manual_seed(0)
+        model = build_model(name, channels, 10, size).to(memory_format=layout)
+        x = torch.randn(16, channels, size, size).contiguous(memory_format=layout)
+        torch.nn.functional.cross_entropy(model(x), torch.randint(0, 10, (16,))).backward()
+        for p in model.parameters():
+            digest.update(p.grad.contiguous().numpy().tobytes())
+    g = np.random.default_rng(0).standard_normal((6, 4096))
+    gram = g @ g.T
+    digest.update(gram.tobytes())
+    digest.update(np.linalg.lstsq(gram + np.eye(6), np.ones(6), rcond=None)[0].tobytes())
+    return digest.hexdigest()[:16]
+
+
+def all_fingerprints(processes: int = 2) -> tuple[str, dict[str, dict[str, str]]]:
+    """(kernel canary, every case's fingerprints), in ``processes`` fresh processes at
+    once (each run uses one thread), whose kernels are pinned (``PINNED``): every process
+    starts, on demand, within this call, with PINNED in its environment before MKL,
+    oneDNN, ATen or OpenBLAS choose."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -137,9 +172,10 @@ def all_fingerprints(processes: int = 2) -> dict[str, dict[str, str]]:
     try:
         with tempfile.TemporaryDirectory() as tmp, ProcessPoolExecutor(
                 processes, mp_context=multiprocessing.get_context("spawn")) as pool:
+            canary = pool.submit(kernel_canary)
             jobs = {case: pool.submit(fingerprint, case, preset, overrides, Path(tmp))
                     for case, (preset, overrides) in cases().items()}
-            return {case: job.result() for case, job in jobs.items()}
+            return canary.result(), {case: job.result() for case, job in jobs.items()}
     finally:
         for name, value in saved.items():
             if value is None:
@@ -148,23 +184,58 @@ def all_fingerprints(processes: int = 2) -> dict[str, dict[str, str]]:
                 os.environ[name] = value
 
 
+def compare(stored: dict, canary: str, found: dict) -> tuple[str, str]:
+    """("same" | "changed" | "no set", what to say): ``found`` against the set stored
+    for machines of this ``canary``, or else the set whose canary was not recorded."""
+    family = stored.get(canary) or stored.get(UNRECORDED)
+    if family is None:
+        return "no set", (f"no fingerprints stored for this machine's kernels (canary {canary}; "
+                          f"stored: {', '.join(sorted(stored))}); `python tools/preset_fingerprints.py "
+                          f"--add` stores them, on a commit whose results you trust")
+    which = canary if canary in stored else UNRECORDED
+    expected = family["fingerprints"]
+    if sorted(found) != sorted(expected):
+        return "changed", (f"cases added or removed (against {which}): "
+                           f"{sorted(set(found) ^ set(expected))}: regenerate on purpose (--write)")
+    changed = {case: [part for part in expected[case] if found[case][part] != expected[case][part]]
+               for case in expected if found[case] != expected[case]}
+    if changed:
+        return "changed", f"results changed against the set for canary {which} ({family['cpu']}): {changed}"
+    return "same", f"every case as stored for canary {which} ({family['cpu']})"
+
+
+def cpu_name() -> str:
+    """The CPU's model name and its widest vector units, for a person reading the store."""
+    with open("/proc/cpuinfo") as f:
+        info = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line)
+    info = {key.strip(): value.strip() for key, value in info.items()}
+    flags = set(info.get("flags", "").split())
+    units = [name for name, flag in (("AVX2", "avx2"), ("AVX-512", "avx512f"), ("AMX", "amx_tile"))
+             if flag in flags]
+    return f"{info.get('model name', 'unknown CPU')} ({', '.join(units) or 'no AVX2'})"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--write", metavar="JSON", help="store the fingerprints here")
-    parser.add_argument("--stored", default=str(Path(__file__).resolve().parents[1] / "tests" / "data"
-                                                / "preset_fingerprints.json"))
+    what = parser.add_mutually_exclusive_group()
+    what.add_argument("--write", action="store_true",
+                      help="results changed on purpose: store this machine's set, drop the others")
+    what.add_argument("--add", action="store_true",
+                      help="store this machine's set beside the others (results unchanged)")
+    parser.add_argument("--stored", type=Path, default=STORED)
     args = parser.parse_args(argv)
-    found = all_fingerprints()
-    if args.write:
-        Path(args.write).write_text(json.dumps(found, indent=1, sort_keys=True) + "\n")
-        print(f"wrote {len(found)} presets' fingerprints to {args.write}")
+    canary, found = all_fingerprints()
+    stored = json.loads(args.stored.read_text()) if args.stored.exists() else {}
+    if args.write or args.add:
+        family = {"cpu": cpu_name(), "fingerprints": found}
+        stored = {canary: family} if args.write else {**stored, canary: family}
+        args.stored.write_text(json.dumps(stored, indent=1, sort_keys=True) + "\n")
+        print(f"stored {len(found)} cases' fingerprints for canary {canary} ({family['cpu']}) "
+              f"in {args.stored}; {len(stored)} set(s) there")
         return 0
-    stored = json.loads(Path(args.stored).read_text())
-    changed = [p for p in stored if found.get(p) != stored[p]]
-    for preset in changed:
-        parts = [k for k in stored[preset] if found.get(preset, {}).get(k) != stored[preset][k]]
-        print(f"{preset}: {', '.join(parts)} changed")
-    return 1 if changed else 0
+    verdict, message = compare(stored, canary, found)
+    print(message)
+    return 0 if verdict == "same" else 1
 
 
 if __name__ == "__main__":
