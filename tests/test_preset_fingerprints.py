@@ -34,7 +34,7 @@ def test_the_set_for_this_machines_canary_is_the_one_compared():
     found = _family("", x="1", y="2")["fingerprints"]
     assert preset_fingerprints.compare(stored, "aaaa", found)[0] == "same"
     verdict, message = preset_fingerprints.compare(stored, "aaaa", {**found, "y": {**found["y"], "model": "3"}})
-    assert verdict == "changed" and "'y': ['model']" in message and "canary aaaa (A)" in message
+    assert verdict == "changed" and "'y': ['model']" in message and "canary aaaa (A;" in message
     # another machine's kernels: the set without a canary, when there is one
     assert preset_fingerprints.compare(stored, "bbbb", found)[0] == "changed"
     assert preset_fingerprints.compare(stored, "bbbb", _family("", x="9", y="9")["fingerprints"])[0] == "same"
@@ -47,20 +47,21 @@ def test_the_set_for_this_machines_canary_is_the_one_compared():
 
 @pytest.mark.slow
 def test_the_canary_is_this_machines_and_each_pin_moves_it(tmp_path):
-    """The canary repeats in a fresh pinned process, and differs when any one of the four
-    libraries' pins does: it sees every library that picks kernels by the CPU."""
+    """The canary differs when any one of the four libraries' pins does: it sees every
+    library that picks kernels by the CPU. (That it repeats, in fresh processes with one
+    core or two, the comparison with the stored set shows.)"""
     import os
     import subprocess
 
     code = "import sys; sys.path.insert(0, 'tools'); import preset_fingerprints as p; print(p.kernel_canary())"
 
     def canary(**change):
-        env = {**os.environ, **preset_fingerprints.PINNED, **change, "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, **preset_fingerprints.PINNED, **change}
         return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
                               text=True, check=True, timeout=300).stdout.strip()
 
     pinned = canary()
-    assert len(pinned) == 16 and canary() == pinned
+    assert len(pinned) == 16
     for change in ({"MKL_CBWR": "COMPATIBLE"}, {"ATEN_CPU_CAPABILITY": "default"},
                    {"ONEDNN_MAX_CPU_ISA": "SSE41"}, {"OPENBLAS_CORETYPE": "Sandybridge"}):
         assert canary(**change) != pinned, change

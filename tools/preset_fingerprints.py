@@ -141,7 +141,9 @@ def kernel_canary() -> str:
     """What this machine's pinned kernels make of fixed inputs: the gradients of one step
     of each model family the cases train, and the server's float64 algebra (a Gram matrix
     and a least-squares solve, as FedU^2's EUA does). Changing any one library's pin
-    changes it."""
+    changes it. One thread, as the cases run: a second splits the batch, and the weight
+    gradients' sums with it."""
+    torch.set_num_threads(1)
     digest = hashlib.sha256()
     for name, channels, size, layout in (("cnn", 1, 28, torch.channels_last),
                                          ("cnn", 1, 28, torch.contiguous_format),
@@ -200,7 +202,8 @@ def compare(stored: dict, canary: str, found: dict) -> tuple[str, str]:
     changed = {case: [part for part in expected[case] if found[case][part] != expected[case][part]]
                for case in expected if found[case] != expected[case]}
     if changed:
-        return "changed", f"results changed against the set for canary {which} ({family['cpu']}): {changed}"
+        return "changed", (f"results changed against the set for canary {which} ({family['cpu']}; "
+                           f"this machine's canary: {canary}): {changed}")
     return "same", f"every case as stored for canary {which} ({family['cpu']})"
 
 
