@@ -46,7 +46,7 @@ def test_the_set_for_this_machines_canary_is_the_one_compared():
 
 
 @pytest.mark.slow
-def test_the_canary_is_this_machines_and_each_pin_moves_it(tmp_path):
+def test_each_librarys_pin_moves_the_canary():
     """The canary differs when any one of the four libraries' pins does: it sees every
     library that picks kernels by the CPU. (That it repeats, in fresh processes with one
     core or two, the comparison with the stored set shows.)"""
