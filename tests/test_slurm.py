@@ -206,7 +206,9 @@ def test_array_template_runs_every_cell_of_a_sweep(cluster, tmp_path):
 
 @pytest.mark.slow
 def test_preempted_job_checkpoints_requeues_and_completes(cluster, launcher, tmp_path):
-    rounds = 20   # the signal lands within ~0.1 s of round 1; a round takes longer
+    # the signal must land before the run ends: on a loaded 2-core machine (load 8, the
+    # suite's four workers) 20 rounds of ~0.18 s ended before it did, the job COMPLETED
+    rounds = 60
     config = write_config(tmp_path / "long.toml", rounds=rounds, output="long.h5")
     output = tmp_path / "long.h5"
     job = submit(cluster, "single_node.sbatch", [config.name], tmp_path, ["--ntasks=3"], launcher)
@@ -366,7 +368,9 @@ def _cancel(cluster, job: str, timeout: float = 120) -> None:
 
 
 def _wait_for_first_round(cluster, job: str, output: Path, tmp_path: Path, timeout: float = 120):
-    deadline = time.time() + timeout
+    """Until the file has round 1, reading it every 0.1 s; the job's state (an scontrol
+    call, slow on a loaded machine) once a second."""
+    deadline, next_state = time.time() + timeout, time.time()
     while time.time() < deadline:
         if output.exists():
             try:
@@ -376,8 +380,10 @@ def _wait_for_first_round(cluster, job: str, output: Path, tmp_path: Path, timeo
                         return
             except (UsageError, OSError):   # still being created
                 pass
-        states = {j.get("JobState") for j in cluster.jobs(job)}
-        assert states & {"PENDING", "RUNNING", "CONFIGURING"}, f"job ended early: {states}\n{logs(tmp_path)}"
+        if time.time() >= next_state:
+            states = {j.get("JobState") for j in cluster.jobs(job)}
+            assert states & {"PENDING", "RUNNING", "CONFIGURING"}, f"job ended early: {states}\n{logs(tmp_path)}"
+            next_state = time.time() + 1.0
         time.sleep(0.1)
     raise AssertionError(f"no round in {output} after {timeout} s\n{logs(tmp_path)}")
 
