@@ -31,8 +31,8 @@ the path takes a median 1.90x a FedAvg reduce over 15 runs (1.79-2.09x, one outl
 2.7x), where packing the transpose into one buffer for an Alltoallv, which moved it at
 half the speed of messages from the vectors, took 2.11x (1.92-2.42x) in the same runs;
 the products alone take 0.7x. With one worker (``-n 2``) it is 3.7-4.1x, the products
-alone 2.1x. On a 2-core Xeon with AMX the same command gives 2.27-2.36x (median of 7
-runs 2.36x; reduce 0.13 s, transpose 0.04-0.07 s, Gram pass 0.10 s, weighted-sum pass
+alone 2.1x. On a 2-core Xeon with AMX the same command gives a median 2.36x over 7
+runs (2.34-2.48x, one outlier at 3.1x; reduce 0.13 s, transpose 0.04-0.07 s, Gram pass 0.10 s, weighted-sum pass
 0.08 s, a worker's phases; the products alone 0.06 s): the rest of the two passes is
 mostly, by elimination, the float32-to-float64 fill of each block, made once a pass.
 """
