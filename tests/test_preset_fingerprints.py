@@ -12,13 +12,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 import preset_fingerprints  # noqa: E402
 
-STORED = ROOT / "tests" / "data" / "preset_fingerprints.json"
-
 
 @pytest.mark.slow
 def test_every_preset_and_algorithm_gives_the_stored_bits():
     canary, found = preset_fingerprints.all_fingerprints()
-    verdict, message = preset_fingerprints.compare(json.loads(STORED.read_text()), canary, found)
+    verdict, message = preset_fingerprints.compare(json.loads(preset_fingerprints.STORED.read_text()), canary, found)
     if verdict == "no set":
         pytest.skip(message)
     assert verdict == "same", message

@@ -189,12 +189,12 @@ def all_fingerprints(processes: int = 2) -> tuple[str, dict[str, dict[str, str]]
 def compare(stored: dict, canary: str, found: dict) -> tuple[str, str]:
     """("same" | "changed" | "no set", what to say): ``found`` against the set stored
     for machines of this ``canary``, or else the set whose canary was not recorded."""
-    family = stored.get(canary) or stored.get(UNRECORDED)
+    which = canary if canary in stored else UNRECORDED
+    family = stored.get(which)
     if family is None:
         return "no set", (f"no fingerprints stored for this machine's kernels (canary {canary}; "
                           f"stored: {', '.join(sorted(stored))}); `python tools/preset_fingerprints.py "
                           f"--add` stores them, on a commit whose results you trust")
-    which = canary if canary in stored else UNRECORDED
     expected = family["fingerprints"]
     if sorted(found) != sorted(expected):
         return "changed", (f"cases added or removed (against {which}): "
