@@ -3,7 +3,8 @@
 Under mpirun, K client updates of d values spread over the workers, as the runtime holds
 them. Times, per round, (a) the FedAvg path: each worker sums its clients, one Reduce to
 the server; (b) the Gram path: Alltoallv transpose, per-block Grams, coefficients on the
-server, per-block weighted sums gathered to the server. Prints seconds (median of
+server, per-block weighted sums gathered to the server, its buffers kept from one
+repeat to the next as a run keeps them from round to round. Prints seconds (median of
 --repeat), the Gram path's over FedAvg's, and the bytes each path moved, the largest
 amount any one rank received, and what gathering all K vectors on one rank would take
 instead. Also the seconds of the per-block float64 products A_b A_b^T alone (all workers
@@ -23,7 +24,7 @@ import numpy as np
 import torch
 
 from fedmpi.comm.mpi import MPIComm
-from fedmpi.runtime.gram import BLOCK, block_ranges, owned_blocks, weighted_sum
+from fedmpi.runtime.gram import BLOCK, Workspace, block_ranges, owned_blocks, weighted_sum
 
 
 def main() -> None:
@@ -44,6 +45,7 @@ def main() -> None:
              ] if comm.is_worker else []
     buffer = torch.randn(k * min(BLOCK, d), dtype=torch.float64)   # one block of K vectors
     moved = {}
+    space = Workspace()   # the Gram path's buffers, kept from round to round as a run keeps them
     for _ in range(args.repeat):
         comm.ledger.take()
         start = time.perf_counter()
@@ -55,7 +57,8 @@ def main() -> None:
         results["fedavg"].append(time.perf_counter() - start)
         moved["fedavg"] = comm.gather_obj(comm.ledger.take(), count=False)
         start = time.perf_counter()
-        weighted_sum(comm, mine, assignment, d, lambda g: np.full(len(g), 1.0 / len(g)))
+        weighted_sum(comm, mine, assignment, d, lambda g: np.full(len(g), 1.0 / len(g)),
+                     workspace=space)
         results["gram"].append(time.perf_counter() - start)
         moved["gram"] = comm.gather_obj(comm.ledger.take(), count=False)
         comm.gather_obj(None, count=False)   # the workers start the products together

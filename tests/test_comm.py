@@ -1,4 +1,5 @@
 import numpy as np
+import pytest
 import torch
 
 from fedmpi.comm import Ledger, LocalComm, launched_size
@@ -17,6 +18,20 @@ def test_local_comm_is_server_and_worker_and_moves_nothing():
     assert comm.bcast_obj({"a": 1}) == {"a": 1}
     assert comm.scatter_obj([5]) == 5
     assert comm.ledger.take().sent == 0
+
+
+def test_local_comm_receives_into_a_kept_buffer_and_refuses_one_that_does_not_fit():
+    comm = LocalComm()
+    kept = np.full(5, -1.0, np.float32)
+    (got,) = comm.alltoallv([[np.arange(2, dtype=np.float32), np.ones(1, np.float32)]], out=kept)
+    assert np.shares_memory(got, kept) and kept.tolist() == [0.0, 1.0, 1.0, -1.0, -1.0]
+    (got,) = comm.gatherv(np.arange(3, dtype=np.float32), out=kept)
+    assert np.shares_memory(got, kept) and got.tolist() == [0.0, 1.0, 2.0]
+    for bad in (np.zeros(2, np.float32), np.zeros(5), np.zeros((5, 1), np.float32),
+                np.zeros(10, np.float32)[::2]):
+        with pytest.raises(ValueError, match=r"^gatherv: out must be a contiguous 1-D float32 "
+                                             r"array of at least 3 values, got"):
+            comm.gatherv(np.arange(3, dtype=np.float32), out=bad)
 
 
 def test_ledger_take_resets():

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from fedmpi.comm import LocalComm
-from fedmpi.comm.base import Comm, as_array, joined
-from fedmpi.runtime.gram import BLOCK, block_ranges, weighted_sum
+from fedmpi.comm.base import Comm, as_array, joined, received_into
+from fedmpi.runtime.gram import BLOCK, Workspace, block_ranges, weighted_sum
 
 
 @pytest.fixture(autouse=True)
@@ -37,21 +37,31 @@ class ThreadComm(Comm):
         self.world["barrier"].wait()
         return got
 
-    def alltoallv(self, parts):
+    def alltoallv(self, parts, out=None):
         got = self._exchange([joined(p) for p in parts])
-        return [got[r][self.rank] for r in range(self.size)]
+        return into([got[r][self.rank] for r in range(self.size)], out, "alltoallv")
 
-    def gatherv(self, sendbuf, root=0):
+    def gatherv(self, sendbuf, root=0, out=None):
         got = self._exchange(np.array(as_array(sendbuf), copy=True))
-        return got if self.rank == root else None
+        return into(got, out, "gatherv") if self.rank == root else None
 
     def bcast(self, buf, root=0):
         got = self._exchange(np.array(as_array(buf), copy=True))
         np.copyto(as_array(buf), got[root])
 
 
-def distributed(vectors: dict, d: int, block: int, coefficients, workers: int):
-    """weighted_sum over 1 + workers thread ranks, clients dealt round-robin (uneven)."""
+def into(arrays: list, out, what: str) -> list:
+    """``arrays`` as views of one array, as the comms return them (``out`` or a new one)."""
+    joined_up = np.concatenate(arrays)
+    recv = received_into(out, joined_up.size, joined_up.dtype, what)
+    np.copyto(recv, joined_up)
+    return np.split(recv, np.cumsum([a.size for a in arrays])[:-1])
+
+
+def distributed(vectors: dict, d: int, block: int, coefficients, workers: int,
+                spaces: dict | None = None):
+    """weighted_sum over 1 + workers thread ranks, clients dealt round-robin (uneven);
+    ``spaces``: each rank's Workspace, kept by the caller (None: new ones)."""
     ids = list(vectors)
     assignment = [np.array(ids[w::workers], dtype=np.int64) for w in range(workers)]
     world = {"size": workers + 1, "slots": [None] * (workers + 1),
@@ -62,7 +72,7 @@ def distributed(vectors: dict, d: int, block: int, coefficients, workers: int):
         try:
             mine = [vectors[c] for c in assignment[r - 1]] if r else []
             results[r] = weighted_sum(ThreadComm(r, world), mine, assignment, d, coefficients,
-                                      block=block)
+                                      block=block, workspace=(spaces or {}).get(r))
         except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
             errors.append(exc)
             world["barrier"].abort()
@@ -121,3 +131,25 @@ def test_gram_and_sum_are_the_reference_bits_for_any_number_of_workers(d, client
         assert coef.tobytes() == expect_coef.tobytes()
         assert total.dtype == torch.float32 and total.shape == (d,)
         assert total.numpy().tobytes() == expect.numpy().tobytes()
+
+
+def test_buffers_kept_across_calls_leave_the_bits_alone():
+    """Each rank's Workspace carried through calls of every shape in turn, its buffers
+    holding the last call's values (bigger and smaller d and K, more and fewer clients a
+    worker): the same bits as the reference every time."""
+    for workers in (1, 3):
+        spaces = {r: Workspace() for r in range(workers + 1)}
+        for d, clients, block, dtype in CASES + CASES[::-1]:
+            g = torch.Generator().manual_seed(d + 1)
+            vectors = {c: torch.randn(d, generator=g).to(dtype) for c in clients}
+
+            def coefficients(gram):
+                return np.arange(1, len(gram) + 1) / np.sqrt(np.diag(gram))
+
+            expect, expect_coef = reference(vectors, d, block, coefficients)
+            total, coef = distributed(vectors, d, block, coefficients, workers, spaces)
+            assert coef.tobytes() == expect_coef.tobytes()
+            assert total.numpy().tobytes() == expect.numpy().tobytes()
+        # the buffers were kept and reused (one worker receives nothing from others)
+        assert spaces[1].kept["block"].numel() > 0
+        assert (spaces[1].kept["received"].size > 0) == (workers > 1)

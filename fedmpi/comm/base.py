@@ -52,6 +52,18 @@ def pieces(part) -> list[np.ndarray]:
     return [as_array(p).reshape(-1) for p in (part if isinstance(part, (list, tuple)) else [part])]
 
 
+def received_into(out, size: int, dtype, what: str) -> np.ndarray:
+    """Where a collective receives ``size`` values of ``dtype``: a new array, or the start
+    of ``out`` (1-D, that dtype, at least that long), which a caller keeps from one call
+    to the next so that big receives do not fault in fresh pages every time."""
+    if out is None:
+        return np.empty(size, dtype=dtype)
+    if out.ndim != 1 or out.dtype != dtype or out.size < size or not out.flags.c_contiguous:
+        raise ValueError(f"{what}: out must be a contiguous 1-D {np.dtype(dtype)} array of at "
+                         f"least {size} values, got {out.dtype} {out.shape}")
+    return out[:size]
+
+
 def joined(part) -> np.ndarray:
     """A part of ``alltoallv``, its pieces copied back to back into one new 1-D array
     (float32 and empty for a part with no pieces)."""
@@ -90,12 +102,17 @@ class Comm:
     def bcast_obj(self, obj, root: int = 0): ...
     def reduce_sum(self, sendbuf, recvbuf, root: int = 0) -> None: ...
     def allreduce_sum(self, buf) -> None: ...
-    def gatherv(self, sendbuf: np.ndarray, root: int = 0) -> list[np.ndarray] | None: ...
-    def alltoallv(self, parts: list) -> list[np.ndarray]:
+    def gatherv(self, sendbuf: np.ndarray, root: int = 0,
+                out: np.ndarray | None = None) -> list[np.ndarray] | None:
+        """Every rank's ``sendbuf`` on the root, in rank order, as views of one array: a new
+        one, or ``out`` (see ``received_into``); None elsewhere."""
+        ...
+    def alltoallv(self, parts: list, out: np.ndarray | None = None) -> list[np.ndarray]:
         """Every rank sends ``parts[r]`` to rank r and returns what each rank sent it, in
         rank order, one 1-D array per rank. A part is a 1-D array or a list of them
         (pieces, sent back to back without being copied into one first). Every array
-        of the call, on every rank, has one dtype."""
+        of the call, on every rank, has one dtype. What is returned is views of one
+        array: a new one, or the start of ``out`` (see ``received_into``)."""
         ...
     def gather_obj(self, obj, root: int = 0, count: bool = True) -> list | None: ...
     def scatter_obj(self, objs: list | None, root: int = 0): ...

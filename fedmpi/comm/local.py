@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 
-from .base import Comm, Ledger, as_array, joined
+from .base import Comm, Ledger, as_array, joined, received_into
 
 
 class LocalComm(Comm):
@@ -28,11 +28,19 @@ class LocalComm(Comm):
     def allreduce_sum(self, buf):
         pass
 
-    def gatherv(self, sendbuf, root=0):
-        return [np.array(as_array(sendbuf), copy=True)]
+    def gatherv(self, sendbuf, root=0, out=None):
+        send = as_array(sendbuf).reshape(-1)
+        recv = received_into(out, send.size, send.dtype, "gatherv")
+        np.copyto(recv, send)
+        return [recv]
 
-    def alltoallv(self, parts):
-        return [joined(parts[0])]
+    def alltoallv(self, parts, out=None):
+        mine = joined(parts[0])
+        if out is None:
+            return [mine]
+        recv = received_into(out, mine.size, mine.dtype, "alltoallv")
+        np.copyto(recv, mine)
+        return [recv]
 
     def gather_obj(self, obj, root=0, count=True):
         return [obj]

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from ..errors import flush_streams
-from .base import Comm, Ledger, Stopwatch, as_array, pieces
+from .base import Comm, Ledger, Stopwatch, as_array, pieces, received_into
 
 PIECE_TAG = 17   # alltoallv's messages: one tag, matched in the order they were posted
 FORWARD_SECONDS = 1.0   # abort: mpirun's time to pass on the rank's last lines (below errors.ALONE_AFTER)
@@ -132,14 +132,14 @@ class MPIComm(Comm):
         self.ledger.sent += array.nbytes
         self.ledger.received += array.nbytes
 
-    def gatherv(self, sendbuf, root=0):
+    def gatherv(self, sendbuf, root=0, out=None):
         send = np.ascontiguousarray(as_array(sendbuf))
         self._arrive()
         with Stopwatch(self.ledger, "comm_seconds"):
             counts = self.comm.gather(send.size, root=root)
             recv = None
             if self.rank == root:
-                recv = np.empty(sum(counts), dtype=send.dtype)
+                recv = received_into(out, sum(counts), send.dtype, "gatherv")
                 self.comm.Gatherv(send, (recv, counts), root=root)
             else:
                 self.comm.Gatherv(send, None, root=root)
@@ -149,7 +149,7 @@ class MPIComm(Comm):
         self.ledger.received += (recv.size - send.size) * send.itemsize
         return np.split(recv, np.cumsum(counts)[:-1])
 
-    def alltoallv(self, parts):
+    def alltoallv(self, parts, out=None):
         """Point to point, a message a piece, each received where it belongs in one
         buffer: no piece is copied into a send buffer first, and each is one contiguous
         message, which Open MPI moves with a single copy between ranks of a node. (An
@@ -170,7 +170,8 @@ class MPIComm(Comm):
             kinds = [kind for kind, sizes in got if sizes] + [p.dtype for p in send_any]
             dtype = np.dtype(kinds[0] if kinds else np.float32)
             counts = [sum(sizes) for _, sizes in got]
-            received = np.split(np.empty(sum(counts), dtype=dtype), np.cumsum(counts)[:-1])
+            received = np.split(received_into(out, sum(counts), dtype, "alltoallv"),
+                                np.cumsum(counts)[:-1])
             requests = []
             for source, (_, sizes) in enumerate(got):
                 ends = np.cumsum(sizes).tolist()

@@ -65,16 +65,48 @@ def _span(blocks, owned: range) -> tuple[int, int]:
     return (blocks[owned[0]][0], blocks[owned[-1]][1]) if len(owned) else (0, 0)
 
 
+class Workspace:
+    """The buffers of ``weighted_sum`` a rank keeps from one call (round) to the next: the
+    transpose's receive buffer (the other workers' clients' slices of this worker's run,
+    about K d / W float32 values), this worker's sums (d / W float32) and the float64
+    block. Fresh ones would be faulted in page by page on every call: at d = 11.2M,
+    K = 10 and two workers that cost more than the transpose's copies did. Each buffer
+    grows to the largest call's need and stays that size."""
+
+    def __init__(self):
+        self.kept: dict[str, np.ndarray | torch.Tensor] = {}
+
+    def array(self, name: str, size: int) -> np.ndarray:
+        """The first ``size`` values of float32 buffer ``name`` (contents left over). A
+        numpy allocation: numpy asks the kernel for huge pages where it can, which a
+        fresh torch tensor of the same size, faulted in, took 2.7x as long without."""
+        kept = self.kept.get(name)
+        if kept is None or kept.size < size:
+            kept = self.kept[name] = np.empty(size, np.float32)
+        return kept[:size]
+
+    def block(self, size: int) -> torch.Tensor:
+        """The first ``size`` values of the float64 block buffer: always the start of a
+        torch allocation, so the products see one alignment."""
+        kept = self.kept.get("block")
+        if kept is None or kept.numel() < size:
+            kept = self.kept["block"] = torch.empty(size, dtype=torch.float64)
+        return kept[:size]
+
+
 def weighted_sum(comm, vectors: list[torch.Tensor], assignment, d: int,
                  coefficients: Callable[[np.ndarray], np.ndarray],
-                 block: int = BLOCK) -> tuple[torch.Tensor | None, np.ndarray | None]:
+                 block: int = BLOCK, workspace: Workspace | None = None
+                 ) -> tuple[torch.Tensor | None, np.ndarray | None]:
     """sum_k c_k v_k on the server, with c = coefficients(G) computed there from the Gram
     matrix G (float64, K x K, clients in ascending id) of every participant's vector.
 
     Every rank calls this. ``vectors`` are this worker's clients' vectors (length d) in
-    the order of ``assignment[worker_index]``. Returns (sum as float32 [d], c) on the
+    the order of ``assignment[worker_index]``. ``workspace``: this rank's buffers, kept
+    across calls (None: new ones for this call). Returns (sum as float32 [d], c) on the
     server and (None, None) elsewhere.
     """
+    space = workspace if workspace is not None else Workspace()
     blocks = block_ranges(d, block)
     workers = comm.num_workers
     order = np.sort(np.concatenate([np.asarray(a, dtype=np.int64) for a in assignment]))
@@ -95,13 +127,14 @@ def weighted_sum(comm, vectors: list[torch.Tensor], assignment, d: int,
         if comm.is_worker and w != me:
             s, e = _span(blocks, owned_blocks(len(blocks), w, workers))
             parts[_rank_of(w, comm)] = [v[s:e] for v in local]
-    received = comm.alltoallv(parts)
+    others = k - len(rows_of[me]) if comm.is_worker else 0
+    received = comm.alltoallv(parts, out=space.array("received", others * (end - start)))
     # what worker w sent me: its clients' slices of my span, [its clients, end - start]
     sent = [received[_rank_of(w, comm)].reshape(len(rows_of[w]), end - start)
             if w != me and len(rows_of[w]) else None for w in range(workers)]
     # one float64 buffer, reused for every block: each block of the K vectors is converted
     # where it is used (Gram, then weighted sum), with no allocation per block
-    buffer = torch.empty(k * min(block, d) if len(mine) else 0, dtype=torch.float64)
+    buffer = space.block(k * min(block, d) if len(mine) else 0)
 
     def rows(b: int) -> torch.Tensor:
         """Block b (one of mine) of the K vectors: float64 [K, width], clients in
@@ -136,11 +169,12 @@ def weighted_sum(comm, vectors: list[torch.Tensor], assignment, d: int,
     comm.bcast(coef)
     weights = torch.from_numpy(coef)
     # one float64 product per block: a fixed shape, so the same kernel for any layout
-    sums = np.empty(end - start, np.float32)
+    sums = space.array("sums", end - start)
     for b in mine:
         s, e = blocks[b]
         sums[s - start:e - start] = (weights @ rows(b)).float().numpy()
-    gathered = comm.gatherv(sums)
-    if not comm.is_server:
-        return None, None
-    return torch.from_numpy(np.concatenate(gathered)), coef
+    # gathered straight into the result: the server's part is empty where it has no
+    # blocks, and all of it where it is the only rank
+    total = np.empty(d, np.float32) if comm.is_server else None   # numpy's, as above
+    comm.gatherv(sums, out=total)
+    return (torch.from_numpy(total), coef) if comm.is_server else (None, None)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import numpy as np
@@ -66,6 +66,7 @@ class Phases:
     update_stats: bool = False
     group: int = 1          # system.client_group, resolved: clients trained in lock-step
     codecs: Compression | None = None   # the run's codecs; None: no compression
+    gram_space: gram.Workspace = field(default_factory=gram.Workspace)   # kept across rounds
 
     def __post_init__(self):
         if self.codecs is None:
@@ -98,7 +99,8 @@ class Phases:
         if alg.gram_weighted(phase):
             t0 = time.perf_counter()
             combined, _ = gram.weighted_sum(comm, vectors, assignment, self.d,
-                                            lambda inner: alg.gram_coefficients(inner, ctx))
+                                            lambda inner: alg.gram_coefficients(inner, ctx),
+                                            workspace=self.gram_space)
             timers.aggregate += time.perf_counter() - t0
             if comm.is_server:
                 sums["delta"] = combined

@@ -75,6 +75,23 @@ check("alltoallv float64 to a rank that sends nothing",
                                         if r == 0 else [[]] * n))
 comm.ledger.take()
 
+# into buffers the caller keeps: views of the start of ``out``, values as without it,
+# the rest of ``out`` untouched
+kept = np.full(sum(range(1, n + 1)) + 2, -1.0, np.float32)
+got = comm.alltoallv([np.full(r + 1, 100.0 * r + dest, dtype=np.float32) for dest in range(n)],
+                     out=kept)
+check("alltoallv out", [g.tolist() for g in got] == [[100.0 * src + r] * (src + 1) for src in range(n)]
+      and all(np.shares_memory(g, kept) for g in got if g.size)
+      and kept[:sum(range(1, n + 1))].tolist() == sum(([100.0 * src + r] * (src + 1)
+                                                       for src in range(n)), [])
+      and kept[-2:].tolist() == [-1.0, -1.0])
+total = np.full(sum(range(n)), -1.0, np.float32) if r == 0 else None
+parts = comm.gatherv(np.arange(r, dtype=np.float32), out=total)
+if r == 0:
+    check("gatherv out", [p.tolist() for p in parts] == [list(range(k)) for k in range(n)]
+          and total.tolist() == sum((list(range(k)) for k in range(n)), []))
+comm.ledger.take()
+
 a = np.ones(5)
 comm.allreduce_sum(a)
 check("allreduce", np.all(a == n))

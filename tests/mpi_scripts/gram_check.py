@@ -12,7 +12,7 @@ import torch
 
 from fedmpi.comm import LocalComm
 from fedmpi.comm.mpi import MPIComm
-from fedmpi.runtime.gram import weighted_sum
+from fedmpi.runtime.gram import Workspace, weighted_sum
 
 BLOCK = 7
 
@@ -21,8 +21,9 @@ def coefficients(gram):
     return np.arange(1, len(gram) + 1) / np.sqrt(np.diag(gram))
 
 
-def check(comm, d: int, k: int) -> dict | None:
-    """One case; the server's report (None on the workers)."""
+def check(comm, d: int, k: int, space: Workspace) -> dict | None:
+    """One case, with this rank's buffers kept from the cases before; the server's
+    report (None on the workers)."""
     clients = [4, 0, 9, 2, 7][:k]   # ids, not positions
     vectors = {c: torch.randn(d, generator=torch.Generator().manual_seed(c)) for c in clients}
     workers = comm.num_workers
@@ -34,7 +35,7 @@ def check(comm, d: int, k: int) -> dict | None:
         seen["gram"] = gram
         return coefficients(gram)
 
-    total, coef = weighted_sum(comm, mine, assignment, d, record, block=BLOCK)
+    total, coef = weighted_sum(comm, mine, assignment, d, record, block=BLOCK, workspace=space)
     report = None
     if comm.is_server:
         local_seen = {}
@@ -60,7 +61,8 @@ def check(comm, d: int, k: int) -> dict | None:
 
 
 comm = MPIComm()
-reports = {case: check(comm, *map(int, case.split(":"))) for case in sys.argv[1:]}
+space = Workspace()
+reports = {case: check(comm, *map(int, case.split(":")), space) for case in sys.argv[1:]}
 if comm.is_server:
     print(json.dumps(reports))
 sys.exit(0)
