@@ -23,18 +23,30 @@ from the worker's own vectors, into one buffer reused for every block, once for 
 and once for step 4: the K d / W values are never held in float64, and the products
 always see one layout, a contiguous array at the start of a torch allocation (as a fresh
 ``.double()`` copy of the block would be: a BLAS's summation order may depend on alignment).
+That buffer, the transpose's receive buffer and the worker's sums are kept from round to
+round (``Workspace``, held by the run): about K d / W float32 values a worker, which fresh
+buffers would fault in page by page every round. The server receives the sums straight
+into the result.
 Blocks and every summation order depend on d and the client ids alone, so G and the sum
 are the same bits for any number of workers (deterministic mode runs one thread per
-rank, so each block's product runs the same kernel). The products are most of the cost
-(``benchmarks/gram.py``; d = 11.2M, K = 10, a 2-core AVX-512 CPU): under ``mpirun -n 3``
-the path takes a median 1.90x a FedAvg reduce over 15 runs (1.79-2.09x, one outlier at
-2.7x), where packing the transpose into one buffer for an Alltoallv, which moved it at
-half the speed of messages from the vectors, took 2.11x (1.92-2.42x) in the same runs;
-the products alone take 0.7x. With one worker (``-n 2``) it is 3.7-4.1x, the products
-alone 2.1x. On a 2-core Xeon with AMX the same command gives a median 2.36x over 7
-runs (2.34-2.48x, one outlier at 3.1x; reduce 0.13 s, transpose 0.04-0.07 s, Gram pass 0.10 s, weighted-sum pass
-0.08 s, a worker's phases; the products alone 0.06 s): the rest of the two passes is
-mostly, by elimination, the float32-to-float64 fill of each block, made once a pass.
+rank, so each block's product runs the same kernel).
+
+Cost (``benchmarks/gram.py``; d = 11.2M, K = 10, 2-core machines, ``mpirun -n 3``,
+against a FedAvg reduce measured in the same runs):
+
+- a Xeon with AMX, buffers kept: a median 2.04x over 5 runs (2.00-2.07x), where the same
+  runs of the code before gave 2.40x (2.36-2.88x); with one worker (``-n 2``) 3.1-3.2x
+  (0.45 s against 0.51 s before). A worker's 0.27 s: the transpose 0.03-0.06 s (0.07-0.08 s
+  with a fresh receive buffer), the Gram pass 0.11 s (the products 0.06 s, the rest the
+  float32-to-float64 fill), the weighted-sum pass 0.08 s (the fill again and a 0.024 s
+  product), the sums' gather 0.015 s. What is left is memory traffic: each pass reads
+  the K d / W float32 values once. Holding the first pass's float64 blocks for the
+  second, tried, moved 0.04 s into the first pass to save 0.03 s in the second;
+  streaming the sums to the server as they were made, tried, saved nothing on 2 cores.
+- an AVX-512 machine, before the buffers were kept: a median 1.90x over 15 runs
+  (1.79-2.09x), where packing the transpose into one buffer for an Alltoallv, which
+  moved it at half the speed of messages from the vectors, took 2.11x (1.92-2.42x); the
+  products alone 0.7x; with one worker 3.7-4.1x.
 """
 
 from __future__ import annotations
