@@ -12,6 +12,9 @@ at once, the slowest one's): they fix G's bits, so the Gram path costs at least 
 
     mpirun -n 3 python benchmarks/gram.py                      # d = 11.2M (ResNet-18), K = 10
     mpirun -n 5 --oversubscribe python benchmarks/gram.py --clients 100 --params 1000000
+
+(``--oversubscribe`` wherever the node has fewer cores than ranks: the figures in
+``fedmpi/runtime/gram.py`` are ``mpirun -n 3 --oversubscribe`` on 2 cores, ``--repeat 7``.)
 """
 
 from __future__ import annotations
