@@ -16,7 +16,8 @@ import preset_fingerprints  # noqa: E402
 @pytest.mark.slow
 def test_every_preset_and_algorithm_gives_the_stored_bits():
     canary, found = preset_fingerprints.all_fingerprints()
-    verdict, message = preset_fingerprints.compare(json.loads(preset_fingerprints.STORED.read_text()), canary, found)
+    stored = json.loads(preset_fingerprints.STORED.read_text())
+    verdict, message = preset_fingerprints.compare(stored, canary, found)
     if verdict == "no set":
         pytest.skip(message)
     assert verdict == "same", message

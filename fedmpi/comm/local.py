@@ -29,18 +29,10 @@ class LocalComm(Comm):
         pass
 
     def gatherv(self, sendbuf, root=0, out=None):
-        send = as_array(sendbuf).reshape(-1)
-        recv = received_into(out, send.size, send.dtype, "gatherv")
-        np.copyto(recv, send)
-        return [recv]
+        return [_copied(as_array(sendbuf).reshape(-1), out, "gatherv")]
 
     def alltoallv(self, parts, out=None):
-        mine = joined(parts[0])
-        if out is None:
-            return [mine]
-        recv = received_into(out, mine.size, mine.dtype, "alltoallv")
-        np.copyto(recv, mine)
-        return [recv]
+        return [_copied(joined(parts[0]), out, "alltoallv")]
 
     def gather_obj(self, obj, root=0, count=True):
         return [obj]
@@ -56,3 +48,10 @@ class LocalComm(Comm):
 
     def node_peers(self, info):
         return [(0, info)]
+
+
+def _copied(values: np.ndarray, out, what: str) -> np.ndarray:
+    """``values`` as a collective here returns them: in a new array, or at the start of ``out``."""
+    recv = received_into(out, values.size, values.dtype, what)
+    np.copyto(recv, values)
+    return recv

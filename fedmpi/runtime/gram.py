@@ -92,17 +92,17 @@ class Workspace:
         """The first ``size`` values of float32 buffer ``name`` (contents left over). A
         numpy allocation: numpy asks the kernel for huge pages where it can, which a
         fresh torch tensor of the same size, faulted in, took 2.7x as long without."""
-        kept = self.kept.get(name)
-        if kept is None or kept.size < size:
-            kept = self.kept[name] = np.empty(size, np.float32)
-        return kept[:size]
+        return self._grown(name, size, lambda n: np.empty(n, np.float32))
 
     def block(self, size: int) -> torch.Tensor:
         """The first ``size`` values of the float64 block buffer: always the start of a
         torch allocation, so the products see one alignment."""
-        kept = self.kept.get("block")
-        if kept is None or kept.numel() < size:
-            kept = self.kept["block"] = torch.empty(size, dtype=torch.float64)
+        return self._grown("block", size, lambda n: torch.empty(n, dtype=torch.float64))
+
+    def _grown(self, name: str, size: int, make):
+        kept = self.kept.get(name)
+        if kept is None or len(kept) < size:
+            kept = self.kept[name] = make(size)
         return kept[:size]
 
 
