@@ -31,6 +31,11 @@ the 2-process limit is a CPU notion and is left out.
     python benchmarks/overhead.py --rounds 5 --repeat 1  # quick look
     python benchmarks/overhead.py --device cuda --rounds 5 --repeat 1
     python benchmarks/overhead.py --device cuda --set model.channels_last=false  # NCHW
+    python benchmarks/overhead.py --device cuda --rounds 5 --repeat 3 --layouts
+
+``--layouts`` times only ``fedmpi run`` in one process, channels-last and NCHW
+(``model.channels_last`` true, then false) one after the other, ``--repeat`` times, and
+prints each run and the medians: the layout's cost on this machine, without the bare loop.
 
 ``--set KEY=VALUE`` (as ``fedmpi run --set``) changes the workload's config; the bare
 loop reads its hyperparameters from it but always runs PyTorch's default layout.
@@ -308,6 +313,9 @@ def main() -> None:
                     help="time only the comm-free limit and mpirun (the MPI-overhead ratio)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cuda: W1's GPU form (ResNet-18-GN, CIFAR-shaped data) on the GPU")
+    ap.add_argument("--layouts", action="store_true",
+                    help="time only fedmpi in one process, channels-last against NCHW, "
+                         "alternated")
     add_set_option(ap)
     ap.add_argument("--bare", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--half", type=int, help=argparse.SUPPRESS)
@@ -326,7 +334,10 @@ def main() -> None:
     values = workload(args.rounds, args.device)
     values = apply_sets(ap, values, args.set)
     with tempfile.TemporaryDirectory(prefix="fedmpi-bench-") as tmp:
-        (measure_gpu if args.device == "cuda" else measure)(args, values, Path(tmp))
+        if args.layouts:
+            measure_layouts(args, values, Path(tmp))
+        else:
+            (measure_gpu if args.device == "cuda" else measure)(args, values, Path(tmp))
 
 
 def bare_and_single(values, config_path: Path, tmp: Path, times: dict) -> str:
@@ -361,6 +372,26 @@ def measure(args, values, tmp: Path) -> None:
         print(f"  fedmpi (1 process) / bare loop      = {med['fedmpi'] / med['bare']:.3f}   (target <= 0.85)")
         print(f"  comm-free limit / fedmpi 1 process   = {med['limit'] / med['fedmpi']:.3f}")
     print(f"  mpirun -n 3 / comm-free 2-proc limit = {med['mpirun'] / med['limit']:.3f}   (target <= 1.05)")
+
+
+def measure_layouts(args, values, tmp: Path) -> None:
+    """``fedmpi run`` in one process with channels-last and with NCHW storage and
+    activations, alternated, ``args.repeat`` times each."""
+    times = {"true": [], "false": []}
+    for rep in range(args.repeat):
+        for layout in times:
+            config_path = tmp / f"channels_last_{layout}.toml"
+            config_path.write_text(cfgmod.to_toml(
+                cfgmod.apply_overrides(values, [f"model.channels_last={layout}"])))
+            run = time_fedmpi(config_path, tmp / f"channels_last_{layout}.h5", None)
+            times[layout].append(run["wall"])
+            print(f"rep {rep + 1}: model.channels_last={layout:5s} fedmpi {run['wall']:.2f} s "
+                  f"(acc {run['acc']:.4f})", flush=True)
+    last, nchw = (statistics.median(times[k]) for k in ("true", "false"))
+    print(f"\nworkload: {args.rounds} rounds, {values['model']['name']} on "
+          f"{values['system']['device']}; medians of {args.repeat}{sets(args)}")
+    print(f"  channels-last {last:.2f} s, NCHW {nchw:.2f} s: NCHW / channels-last = "
+          f"{nchw / last:.3f}")
 
 
 def measure_gpu(args, values, tmp: Path) -> None:

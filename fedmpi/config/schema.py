@@ -63,7 +63,8 @@ class ClientsConfig:
 @dataclass
 class ModelConfig:
     name: str = "cnn"                  # cnn | resnet18 | vgg11 (images), lstm (text), mlp (tabular)
-    channels_last: bool = True         # NHWC activations: 1.3x faster convolutions on CPU
+    channels_last: bool = True         # NHWC activations: 1.3x faster convolutions on CPU, and
+                                       # client groups on a GPU (see docs/design.md)
     options: dict = field(default_factory=dict)
 
 
