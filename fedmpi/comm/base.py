@@ -64,11 +64,16 @@ def received_into(out, size: int, dtype, what: str) -> np.ndarray:
     return out[:size]
 
 
-def joined(part) -> np.ndarray:
-    """A part of ``alltoallv``, its pieces copied back to back into one new 1-D array
-    (float32 and empty for a part with no pieces)."""
+def joined(part, out: np.ndarray | None = None, what: str = "alltoallv") -> np.ndarray:
+    """A part of ``alltoallv`` (or any array or list of arrays), its pieces copied back to
+    back into one 1-D array: a new one, or the start of ``out`` (see ``received_into``);
+    float32 and empty for a part with no pieces."""
     arrays = pieces(part)
-    return np.concatenate(arrays) if arrays else np.zeros(0, np.float32)
+    recv = received_into(out, sum(a.size for a in arrays),
+                         arrays[0].dtype if arrays else np.float32, what)
+    if arrays:
+        np.concatenate(arrays, out=recv)
+    return recv
 
 
 class Comm:
