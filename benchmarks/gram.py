@@ -2,9 +2,10 @@
 
 Under mpirun, K client updates of d values spread over the workers, as the runtime holds
 them. Times, per round, (a) the FedAvg path: each worker sums its clients, one Reduce to
-the server; (b) the Gram path: Alltoallv transpose, per-block Grams, coefficients on the
-server, per-block weighted sums gathered to the server, its buffers kept from one
-repeat to the next as a run keeps them from round to round. Prints seconds (median of
+the server, into new buffers made as the runtime makes them (``flat.host_vector``);
+(b) the Gram path: Alltoallv transpose, per-block Grams, coefficients on the server,
+per-block weighted sums gathered to the server, its buffers kept from one repeat to
+the next as a run keeps them from round to round. Prints seconds (median of
 --repeat), the Gram path's over FedAvg's, and the bytes each path moved, the largest
 amount any one rank received, and what gathering all K vectors on one rank would take
 instead. Also the seconds of the per-block float64 products A_b A_b^T alone (all workers
@@ -27,6 +28,7 @@ import numpy as np
 import torch
 
 from fedmpi.comm.mpi import MPIComm
+from fedmpi.flat import host_vector
 from fedmpi.runtime.gram import BLOCK, Workspace, block_ranges, owned_blocks, weighted_sum
 
 
@@ -52,10 +54,10 @@ def main() -> None:
     for _ in range(args.repeat):
         comm.ledger.take()
         start = time.perf_counter()
-        total = torch.zeros(d)
+        total = host_vector(d)   # as the runtime's sums and total are made
         for v in mine:
             total += v
-        out = torch.zeros(d) if comm.is_server else None
+        out = host_vector(d) if comm.is_server else None
         comm.reduce_sum(total, out)
         results["fedavg"].append(time.perf_counter() - start)
         moved["fedavg"] = comm.gather_obj(comm.ledger.take(), count=False)

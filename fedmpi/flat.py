@@ -19,10 +19,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
 WIRE_BYTES = 4  # float32: the bytes one value of a message takes on the simulated wire
+ALIGN = 64      # bytes: where torch's CPU allocations start, and so host_vector's
+
+
+def host_vector(n: int, zeros: bool = True) -> torch.Tensor:
+    """A new float32 [n] in host memory (zeros, or contents undefined), for the buffers a
+    round makes afresh: the broadcast's receive buffer, the sums, the server's total.
+
+    numpy's memory, not torch's: numpy asks the kernel for huge pages for large arrays,
+    where a torch allocation is faulted in 4 KiB at a time (unless THP_MEM_ALLOC_ENABLE
+    was set before torch started). At ResNet-18's 11.2M values, zeros and five additions
+    took 0.052 s this way against 0.072 s with ``torch.zeros`` (one thread, 2-core Xeon).
+    The vector starts on a 64-byte boundary, as torch's allocations do (numpy's may start
+    anywhere on 16): a kernel's summation order may depend on where its input starts,
+    and the bits must not depend on where the allocator put a buffer."""
+    spare = ALIGN // 4
+    raw = np.zeros(n + spare, np.float32) if zeros else np.empty(n + spare, np.float32)
+    start = (-raw.ctypes.data % ALIGN) // 4
+    return torch.from_numpy(raw[start:start + n])
 
 
 @dataclass(frozen=True)

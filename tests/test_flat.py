@@ -84,3 +84,22 @@ def test_channels_last_storage_views_and_canonical_order():
     plain = FlatModel(small_net())
     plain.module(x).sum().backward()
     assert torch.allclose(flat.canonical(flat.grads), plain.grads, atol=1e-6)
+
+
+def test_host_vectors_start_where_torch_allocations_do():
+    """The round's fresh host buffers are numpy's memory (huge pages), but a kernel's
+    summation order may depend on where its input starts: each must start on a 64-byte
+    boundary, as torch's do, wherever the heap put the array behind it."""
+    import numpy as np
+
+    from fedmpi.flat import ALIGN, host_vector
+
+    raw = [np.empty(n, np.float32).ctypes.data % ALIGN for n in range(1, 200)]
+    assert any(raw), "numpy's own arrays all start on 64 bytes here: the check below proves nothing"
+    for n in [*range(1, 200), 1 << 16, 11_200_000]:
+        for zeros in (True, False):
+            v = host_vector(n, zeros)
+            assert v.dtype == torch.float32 and v.shape == (n,) and v.is_contiguous()
+            assert v.data_ptr() % ALIGN == 0, (n, zeros, v.data_ptr() % ALIGN)
+            if zeros:
+                assert not v.any()

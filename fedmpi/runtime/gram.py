@@ -32,21 +32,29 @@ are the same bits for any number of workers (deterministic mode runs one thread 
 rank, so each block's product runs the same kernel).
 
 Cost (``benchmarks/gram.py``; d = 11.2M, K = 10, 2-core machines, ``mpirun -n 3``,
-against a FedAvg reduce measured in the same runs):
+against a FedAvg reduce measured in the same runs, its sums made as the runtime makes
+them):
 
-- a Xeon with AMX, buffers kept: a median 2.04x over 5 runs (2.00-2.07x), where the same
-  runs of the code before gave 2.40x (2.36-2.88x); with one worker (``-n 2``) 3.1-3.2x
-  (0.45 s against 0.51 s before). A worker's 0.27 s: the transpose 0.03-0.06 s (0.07-0.08 s
-  with a fresh receive buffer), the Gram pass 0.11 s (the products 0.06 s, the rest the
-  float32-to-float64 fill), the weighted-sum pass 0.08 s (the fill again and a 0.024 s
-  product), the sums' gather 0.015 s. What is left is memory traffic: each pass reads
-  the K d / W float32 values once. Holding the first pass's float64 blocks for the
-  second, tried, moved 0.04 s into the first pass to save 0.03 s in the second;
-  streaming the sums to the server as they were made, tried, saved nothing on 2 cores.
-- an AVX-512 machine, before the buffers were kept: a median 1.90x over 15 runs
-  (1.79-2.09x), where packing the transpose into one buffer for an Alltoallv, which
-  moved it at half the speed of messages from the vectors, took 2.11x (1.92-2.42x); the
-  products alone 0.7x; with one worker 3.7-4.1x.
+- a Xeon with AMX, buffers kept: a median 2.64x over 7 runs (2.46-2.94x) against the
+  reduce into huge-page buffers (``flat.host_vector``, 0.11 s); against the reduce into
+  fresh torch buffers that it replaced (0.14 s: each 4 KiB page faulted in on its own),
+  a median 1.92x over 7 runs (1.84-1.97x) one day and 2.04x over 5 (2.00-2.07x) the
+  day before, where the code before the buffers were kept gave 2.40x (2.36-2.88x). With
+  one worker (``-n 2``) 2.9-3.2x. A worker's 0.27 s: the transpose 0.045-0.053 s, the
+  Gram pass 0.11 s (the products 0.064 s, the rest the float32-to-float64 fill), the
+  weighted-sum pass 0.08 s (the fill again and a 0.024 s product), the sums' gather
+  0.015-0.04 s. Each pass reads the K d / W float32 values once and the products are
+  fixed by the bits: MKL's dgemm here sums a block in 384-wide panels (addmm over 384-
+  or 768-wide slices gives its bits; 64-32768, otherwise, do not), so a faster product
+  with the same bits would be compiled code written against that order. Filling and
+  weighting a block in L2-sized slices (the same bits), tried, saved nothing; holding
+  the first pass's float64 blocks for the second moved 0.04 s into the first pass to
+  save 0.03 s in the second; streaming the sums to the server as they were made saved
+  nothing on 2 cores.
+- an AVX-512 machine, before the buffers were kept and against the torch-buffer reduce:
+  a median 1.90x over 15 runs (1.79-2.09x), where packing the transpose into one buffer
+  for an Alltoallv, which moved it at half the speed of messages from the vectors, took
+  2.11x (1.92-2.42x); the products alone 0.7x; with one worker 3.7-4.1x.
 """
 
 from __future__ import annotations

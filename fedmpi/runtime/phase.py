@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from .. import algorithms
+from ..flat import host_vector
 from ..algorithms import schedule
 from . import gram
 from .asyncfl import Versions
@@ -153,7 +154,7 @@ class Phases:
         if spec is None:
             return participants, assignment, None, of
         if buf is None:
-            buf = torch.empty(sum(n for _, n in spec), dtype=torch.float32)
+            buf = host_vector(sum(n for _, n in spec), zeros=False)
         comm.bcast(buf)
         return participants, assignment, split(buf, spec, self.device), of
 
@@ -261,7 +262,7 @@ class Phases:
             workers = parts[1:] if comm.size > 1 else parts
             total = sum_in_client_order(workers, assignment, folded.total)
         else:
-            total = torch.zeros(folded.total) if comm.is_server else None
+            total = host_vector(folded.total) if comm.is_server else None
             comm.reduce_sum(folded.host(), total)
             if not comm.is_server:
                 return None
@@ -366,11 +367,16 @@ class Contributions:
     def __init__(self, sizes: dict[str, int], device, keep_each: bool):
         self.sizes, self.device, self.keep_each = sizes, device, keep_each
         self.total = sum(sizes.values())
-        self.sum = None if keep_each else torch.zeros(self.total, device=device)
+        self.sum = None if keep_each else self._new(zeros=True)
         self.each: dict[int, torch.Tensor] = {}
 
+    def _new(self, zeros: bool) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return host_vector(self.total, zeros)
+        return (torch.zeros if zeros else torch.empty)(self.total, device=self.device)
+
     def add(self, contribution: dict[str, torch.Tensor], client: int) -> None:
-        target = torch.empty(self.total, device=self.device) if self.keep_each else None
+        target = self._new(zeros=False) if self.keep_each else None
         offset = 0
         for name, n in self.sizes.items():
             piece = contribution[name].reshape(-1)
@@ -401,7 +407,7 @@ def sum_in_client_order(parts, assignment, total: int) -> torch.Tensor:
     for clients, part in zip(assignment, parts):
         for c, vec in zip(np.asarray(clients).tolist(), part.reshape(-1, total)):
             by_client[c] = vec
-    out = torch.zeros(total)
+    out = host_vector(total)
     for c in sorted(by_client):
         out += torch.from_numpy(by_client[c])
     return out

@@ -9,6 +9,7 @@ import time
 import numpy as np
 import torch
 
+from ..flat import host_vector
 from ..evaluation import chunks_of, combine, evaluate_chunks, knn_accuracy, knn_worker
 
 
@@ -16,7 +17,7 @@ def load_eval_model(exp) -> None:
     """Server -> workers: the parameters to evaluate, into each worker's model."""
     comm = exp.comm
     buf = exp.alg.eval_params(exp.state).to(torch.float32).contiguous().clone() \
-        if comm.is_server else torch.empty(exp.d, dtype=torch.float32)
+        if comm.is_server else host_vector(exp.d, zeros=False)
     comm.bcast(buf)
     if comm.is_worker:
         exp.flat.load(buf.to(exp.device))
