@@ -38,7 +38,7 @@ them):
 - a Xeon with AMX, buffers kept: a median 2.64x over 7 runs (2.46-2.94x) against the
   reduce into huge-page buffers (``flat.host_vector``, 0.11 s); against the reduce into
   fresh torch buffers that it replaced (0.14 s: each 4 KiB page faulted in on its own),
-  a median 1.92x over 7 runs (1.84-1.97x) one day and 2.04x over 5 (2.00-2.07x) the
+  a median 1.91x over 7 runs (1.84-1.97x) one day and 2.04x over 5 (2.00-2.07x) the
   day before, where the code before the buffers were kept gave 2.40x (2.36-2.88x). With
   one worker (``-n 2``) 2.9-3.2x. A worker's 0.27 s: the transpose 0.045-0.053 s, the
   Gram pass 0.11 s (the products 0.064 s, the rest the float32-to-float64 fill), the
