@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from .. import algorithms
-from ..flat import host_vector
 from ..algorithms import schedule
+from ..flat import host_vector
 from . import gram
 from .asyncfl import Versions
 from .compression import Compression

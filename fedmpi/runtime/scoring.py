@@ -9,8 +9,8 @@ import time
 import numpy as np
 import torch
 
-from ..flat import host_vector
 from ..evaluation import chunks_of, combine, evaluate_chunks, knn_accuracy, knn_worker
+from ..flat import host_vector
 
 
 def load_eval_model(exp) -> None:
