@@ -64,6 +64,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ..flat import host_vector
+
 BLOCK = 1 << 16  # coordinates per block: the unit of ownership and of float summation
 
 
@@ -97,10 +99,10 @@ class Workspace:
         self.kept: dict[str, np.ndarray | torch.Tensor] = {}
 
     def array(self, name: str, size: int) -> np.ndarray:
-        """The first ``size`` values of float32 buffer ``name`` (contents left over). A
-        numpy allocation: numpy asks the kernel for huge pages where it can, which a
-        fresh torch tensor of the same size, faulted in, took 2.7x as long without."""
-        return self._grown(name, size, lambda n: np.empty(n, np.float32))
+        """The first ``size`` values of float32 buffer ``name`` (contents left over), made
+        by ``host_vector`` (huge pages: a fresh torch tensor of the same size, faulted in,
+        took 2.7x as long)."""
+        return self._grown(name, size, lambda n: host_vector(n, zeros=False).numpy())
 
     def block(self, size: int) -> torch.Tensor:
         """The first ``size`` values of the float64 block buffer: always the start of a
@@ -195,6 +197,6 @@ def weighted_sum(comm, vectors: list[torch.Tensor], assignment, d: int,
         sums[s - start:e - start] = (weights @ rows(b)).float().numpy()
     # gathered straight into the result: the server's part is empty where it has no
     # blocks, and all of it where it is the only rank
-    total = np.empty(d, np.float32) if comm.is_server else None   # numpy's, as above
-    comm.gatherv(sums, out=total)
-    return (torch.from_numpy(total), coef) if comm.is_server else (None, None)
+    total = host_vector(d, zeros=False) if comm.is_server else None
+    comm.gatherv(sums, out=total.numpy() if comm.is_server else None)
+    return (total, coef) if comm.is_server else (None, None)
