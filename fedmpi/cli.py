@@ -11,7 +11,7 @@ import sys
 
 import click
 
-from .errors import UsageError, one_line_errors, say
+from .errors import UsageError, one_line_errors, say, warn
 from .signals import launcher_rank as _launcher_rank   # light: no torch
 
 EXIT_FAILED, EXIT_INTERRUPTED = 1, 130   # 130: killed by SIGINT, by convention
@@ -203,6 +203,7 @@ def _resume_config(path, other_arguments):
     from pathlib import Path
 
     from .config import from_dict
+    from .config.since import as_started
     from .results import RunFile, liveness
     from .results.writer import damaged
 
@@ -232,6 +233,9 @@ def _resume_config(path, other_arguments):
         path = os.path.abspath(path)
         os.chdir(start)
     values["output"] = str(path).replace("{", "{{").replace("}", "}}")
+    for line in as_started(values):
+        if _launcher_rank() == 0:
+            warn(f"fedmpi: {path}: {line}")
     return from_dict(values)
 
 

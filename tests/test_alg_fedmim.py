@@ -97,8 +97,8 @@ def test_reduces_to_fedcm_with_alpha_fedcm_one_minus_alpha_1():
     """A reduction: FedMIM(alpha = (a, 0), beta = 0) == FedCM(alpha = 1 - a) at lr_decay = 1.
 
     Exact when clients have equal n_i and K (FedCM divides by the round's mean K and
-    weights by n_i), with wd = 0 (FedMIM scales wd x_k by 1 - A with the gradient, FedCM
-    does not) and without clipping (FedMIM clips g, FedCM clips the mixed v)."""
+    weights by n_i) and without clipping (FedMIM clips g, FedCM clips the mixed v); with a
+    weight decay too, under either placement (tests/test_weight_decay.py)."""
     a = 0.7
     tasks = lambda: {c: quadratic_task(c, CENTERS[c], steps=3, num_samples=20) for c in CENTERS}  # noqa: E731
     mim = Simulation(build("fedmim", {"alpha": [a, 0.0], "beta": [0.0, 0.0]}), tasks(), x0=[0.0, 0.0, 0.0])

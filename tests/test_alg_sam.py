@@ -32,10 +32,12 @@ DOWN = {"fedcm": 2, "fedsam": 1, "mofedsam": 2, "fedmrur": 2}   # payload per cl
 
 # ---- numpy re-derivation of the whole family on f_i(w) = 0.5 ||w - c_i||^2 ----------------
 
-def client_ref(x, c, steps, lr, rho, alpha, m, wd, clip):
-    """K steps of v = alpha g~ + (1 - alpha) m, clip, w <- w (1 - lr wd) - lr v (float64).
-    On the quadratic the SAM gradient is g~ = (w + rho g/||g||) - c with g = w - c."""
+def client_ref(x, c, steps, lr, rho, alpha, m, wd, clip, decay="matched"):
+    """K steps of v = alpha g~ + (1 - alpha) m, clip, w <- w (1 - lr wd') - lr v (float64),
+    wd' = alpha wd ("matched") or wd ("code"). On the quadratic the SAM gradient is
+    g~ = (w + rho g/||g||) - c with g = w - c."""
     w = x.copy()
+    wd = alpha * wd if decay == "matched" else wd
     for _ in range(steps):
         g = w - c
         if rho:
@@ -47,13 +49,13 @@ def client_ref(x, c, steps, lr, rho, alpha, m, wd, clip):
 
 
 def family_ref(rounds, centers, steps, sizes, x0, *, rho=0.0, alpha=1.0, normalized=False,
-               momentum=True, wd=0.0, clip=0.0):
+               momentum=True, wd=0.0, clip=0.0, decay="matched"):
     """Server side: Dbar n_i-weighted (or normalized, unweighted); m = -D / (K lr_prev)."""
     x, D, K = np.array(x0, dtype=np.float64), None, 0.0
     for who, lr, lr_prev in rounds:
         m = -D / (K * lr_prev) if (momentum and D is not None) else np.zeros_like(x)
         deltas = [client_ref(x, np.array(centers[c], dtype=np.float64), steps[c], lr, rho,
-                             alpha, m, wd, clip) for c in who]
+                             alpha, m, wd, clip, decay) for c in who]
         n = np.array([sizes[c] for c in who], dtype=np.float64)
         k = np.array([steps[c] for c in who], dtype=np.float64)
         if normalized:
@@ -86,12 +88,16 @@ def simulate(name, params, rounds=ROUNDS, wd=0.0, clip=0.0, centers=CENTERS, x0=
 
 @pytest.mark.parametrize("name, params, ref", [
     ("fedcm", {"alpha": 0.3}, {"alpha": 0.3}),
-    ("fedsam", {"rho": 0.4}, {"rho": 0.4, "momentum": False}),
+    ("fedcm", {"alpha": 0.3, "decay": "code"}, {"alpha": 0.3, "decay": "code"}),
+    ("fedsam", {"rho": 0.4}, {"rho": 0.4, "momentum": False, "decay": "code"}),
     ("mofedsam", {"rho": 0.4, "alpha": 0.2}, {"rho": 0.4, "alpha": 0.2}),
+    ("mofedsam", {"rho": 0.4, "alpha": 0.2, "decay": "code"}, {"rho": 0.4, "alpha": 0.2, "decay": "code"}),
     ("fedmrur", {"rho": 0.4, "alpha": 0.2, "regularizer": False},
      {"rho": 0.4, "alpha": 0.2, "normalized": True}),
     ("fedmrur", {"rho": 0.4, "alpha": 0.2, "regularizer": False, "aggregation": "mean"},
      {"rho": 0.4, "alpha": 0.2}),
+    ("fedmrur", {"rho": 0.4, "alpha": 0.2, "regularizer": False, "decay": "code"},
+     {"rho": 0.4, "alpha": 0.2, "normalized": True, "decay": "code"}),
 ])
 def test_quadratic_rounds_match_numpy_rederivation(name, params, ref):
     # weight decay and a clip norm that binds in the first steps are part of the rule
@@ -317,9 +323,10 @@ def test_bad_parameters_name_the_field(name, params):
 # ---- the real runtime: traffic, diagnostics, MPI -----------------------------------------
 
 def tiny(name):
-    """TINY for 2 rounds in deterministic mode, evaluated once (the last round)."""
+    """TINY for 2 rounds in deterministic mode, evaluated once (the last round), with a
+    weight decay (the momentum methods place it as ``decay`` says)."""
     return dict(rounds=2, algorithm={"name": name}, system={"deterministic": True},
-                eval={"every": 2})
+                eval={"every": 2}, train={"weight_decay": 1e-3})
 
 
 @pytest.fixture(scope="module", params=ALGS)

@@ -227,6 +227,15 @@ class Algorithm:
         method's formulas hold for (SCAFFOLD's K eta_l needs a constant local lr); raise
         UsageError naming the train.<field>."""
 
+    def effective_weight_decay(self, weight_decay: float) -> float:
+        """The decay per unit of gradient that ``train.weight_decay`` = lambda amounts to
+        once the method's own dynamics are at their fixed point: lambda for every method
+        whose step is SGD's g + lambda w; a method that mixes a server direction carrying
+        last round's decay into its steps (client momentum) says otherwise. The results
+        file records it (root attribute ``effective_weight_decay``), so two runs whose
+        equal ``train.weight_decay`` means different decays are seen to differ."""
+        return weight_decay
+
     # ---- server side ----
     def init_server_state(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"x": x.clone()}

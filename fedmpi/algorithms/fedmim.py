@@ -10,7 +10,11 @@ the history exists), A = sum_j alpha_j < 1 and K the client's step count, each l
     g = clip_10( grad f_i(x_k + sum_j beta_j u_j / K) )
 
 (gradient at the beta-lookahead point, taken like a SAM perturbation; weight decay at
-x_k). Server: x^{t+1} = x^t + eta_g (1/S) sum_i Delta_i, the plain mean of the client
+x_k). The decay is scaled by 1 - A with the gradient (``decay = "matched"``): the
+inertia re-applies last round's decay, and at the fixed point the effective decay is wd,
+FedAvg's, as FedCM's "matched" (``momentum``). ``decay = "code"`` decays by eta_l wd x_k
+unscaled each step, as FL-Simulator's FedCM: effective wd / (1 - A). Either way
+FedMIM(alpha = (a, 0, ...), beta = 0) is FedCM(alpha = 1 - a) with the same ``decay``. Server: x^{t+1} = x^t + eta_g (1/S) sum_i Delta_i, the plain mean of the client
 models at eta_g = 1. The server keeps J+1 snapshots and sends the J displacements:
 (1+J)d down, d up ("honest"); the paper counts d down ("paper"). ``traffic_count``
 picks the one the FL ledger (fl_bytes_down) carries; every round stores both as the
@@ -27,7 +31,7 @@ import torch
 
 from ..errors import UsageError
 from ..flat import WIRE_BYTES
-from . import local_sgd, schedule, server_opt
+from . import local_sgd, momentum, schedule, server_opt
 from .base import Algorithm, Upload, register
 from .params import Params, param, param_error
 
@@ -56,6 +60,10 @@ class FedMIM(Algorithm):
                                              "sum < 1 (paper best (0.6, 0.3))")
         beta: tuple = param((0.9, 0.1), doc="beta_1..beta_J weights of the gradient's lookahead "
                                             "point, newest first (paper best (0.9, 0.1))")
+        decay: str = param("matched", momentum.DECAY_PLACEMENTS,
+                           "where train.weight_decay acts: 'matched', scaled by 1 - A with the "
+                           "gradient, effective decay = weight_decay (FedAvg's); 'code', unscaled "
+                           "each step, effective weight_decay / (1 - A)")
         traffic_count: str = param("honest", ("honest", "paper"),
                                    "'honest': (1+J)d down (the J displacements travel); "
                                    "'paper': d down, as the paper counts")
@@ -103,6 +111,9 @@ class FedMIM(Algorithm):
         return {"fedmim_local_consistency": float(np.mean(gathered["delta_sq"]) - mean.square().sum()),
                 **down}
 
+    def effective_weight_decay(self, weight_decay):
+        return momentum.effective_decay(weight_decay, 1.0 - sum(self.params.alpha), self.params.decay)
+
     def check_training(self, train):
         schedule.require_constant_local(train, "fedmim", "the inertia's per-step share of u")
         if train.momentum:
@@ -117,7 +128,9 @@ class FedMIM(Algorithm):
         lookahead = _weighted(self.params.beta, u) / steps
         task.model.load(x)
         scale = 1.0 - sum(self.params.alpha)
-        loss, k = inertial_train(task, ctx, inertia, lookahead, scale)
+        # sgd_step's decay is lr * wd with lr = scale eta_l: "code" undoes the scale
+        wd = ctx.weight_decay if self.params.decay == "matched" else ctx.weight_decay / scale
+        loss, k = inertial_train(task, ctx, inertia, lookahead, scale, wd)
         delta = task.model.params - x
         return Upload(delta=delta, num_samples=task.data.num_samples, loss=loss, steps=k)
 
@@ -134,7 +147,7 @@ def _weighted(weights, vectors: torch.Tensor) -> torch.Tensor:
 
 
 def inertial_train(task, ctx, inertia: torch.Tensor, lookahead: torch.Tensor,
-                   scale: float) -> tuple[float, int]:
+                   scale: float, weight_decay: float) -> tuple[float, int]:
     """E epochs of x <- x + inertia - scale eta_l (clip(grad f(x + lookahead)) + wd x).
 
     The gradient is taken with the parameters moved to the lookahead point and restored
@@ -157,7 +170,7 @@ def inertial_train(task, ctx, inertia: torch.Tensor, lookahead: torch.Tensor,
         loss.backward()
         if moved:
             params.copy_(anchor)
-        local_sgd.sgd_step(params, flat.grads, scale * ctx.lr, ctx.weight_decay, ctx.clip_norm)
+        local_sgd.sgd_step(params, flat.grads, scale * ctx.lr, weight_decay, ctx.clip_norm)
         params.add_(inertia)
         total += loss.detach()
         steps += 1

@@ -7,7 +7,8 @@ MoFedSAM's client on a regularised loss, a normalized server step:
       F_p(w) = CE(w; X, y) + gamma R(w),
       R(w) = mean_b exp(dL2(Lift(z_b(w)), Lift(z_G,b)) / sigma)   (``hyperbolic``)
       each step: w~ = w + rho grad F_p(w) / ||grad F_p(w)||  (same batch, same z_G),
-                 v = alpha grad F_p(w~) + (1 - alpha) m,  w <- w - eta_l (clip(v) + wd w)
+                 v = alpha grad F_p(w~) + (1 - alpha) m,  w <- w - eta_l (clip(v) + c wd w)
+                 (c as FedCM's ``decay``: alpha by default, 1 as FL-Simulator)
       upload Delta_p = w_K - x^t
     server: D^{t+1} = (1/|S| sum_p ||Delta_p||) * sum_p Delta_p / ||sum_p Delta_p||,
             x^{t+1} = x^t + eta_g D^{t+1}
@@ -90,7 +91,7 @@ class FedMRUR(MoFedSAM):
             gradient, dist_sum = sam_gradient(self.params.rho), None
         else:
             gradient, dist_sum = self.regularized_sam(task, self.global_model(task, x))
-        upload = local_sgd.local_update(task, x, ctx, self.correction(payload),
+        upload = local_sgd.local_update(task, x, self.decayed(ctx), self.correction(payload),
                                         gradient_fn=gradient)
         # host sync: once per client, after training
         mean = math.nan if dist_sum is None else float(dist_sum) / max(upload.steps, 1)

@@ -5,7 +5,8 @@ Minimization", ICML 2022, https://arxiv.org/abs/2206.02618
 [code: FL-Simulator client/mofedsam.py, server/MoFedSAM.py]:
 
     client: m = -Dbar^{t-1} / (K eta_l^{t-1});  each step g~ = SAM gradient (rho, as FedSAM),
-            v = alpha g~ + (1 - alpha) m,  w <- w - eta_l (clip(v) + wd w)
+            v = alpha g~ + (1 - alpha) m,  w <- w - eta_l (clip(v) + c wd w)
+            (c as FedCM's ``decay``: alpha by default, 1 as FL-Simulator)
     server: as FedCM, x^{t+1} = x^t + eta_g Dbar^t (n_i-weighted mean)
 
 Messages 2d down (x, m), d up; server keeps Dbar and K. Defaults from the FL-Simulator
@@ -33,9 +34,9 @@ class MoFedSAM(FedCM):
         rho: float = param(0.1, ">= 0", "SAM perturbation radius rho (FL-Simulator 0.1; FedMRUR paper 0.5)")
 
     def local_update(self, task, payload, client_state, ctx):
-        return local_sgd.local_update(task, payload["x"], ctx, self.correction(payload),
+        return local_sgd.local_update(task, payload["x"], self.decayed(ctx), self.correction(payload),
                                       gradient_fn=sam_gradient(self.params.rho))
 
     def local_update_group(self, tasks, payload, client_states, ctx):
-        return group_sgd.local_update(tasks, payload["x"], ctx, self.correction(payload),
+        return group_sgd.local_update(tasks, payload["x"], self.decayed(ctx), self.correction(payload),
                                       sam_rho=self.params.rho)

@@ -40,6 +40,7 @@ def summarize(path) -> str:
     lines = [("file", str(path)), ("status", _status(attrs, path))]
     lines += _experiment(config)
     lines += _parameters(config, attrs)
+    lines += _decay(config, attrs)
     lines.append(("rounds", _progress(rounds, config)))
     lines += _accuracy(rounds)
     lines += _traffic(rounds)
@@ -104,6 +105,18 @@ def _parameters(config: dict, attrs: dict) -> list[tuple[str, str]]:
         return []
     parts = [f"{key}={_param(params[key])} ({sources.get(key, '?')})" for key in sorted(params)]
     return [("parameters", ", ".join(parts))]
+
+
+def _decay(config: dict, attrs: dict) -> list[tuple[str, str]]:
+    """train.weight_decay and what it amounts to under the method (client momentum
+    re-applies last round's decay: ``effective_weight_decay``), with the placement the
+    method was told; nothing without a decay or for a file that predates the record."""
+    wd, effective = get_key(config, "train.weight_decay"), attrs.get("effective_weight_decay")
+    if not wd or effective is None:
+        return []
+    placement = get_key(config, "algorithm.decay")
+    text = f"{wd:g} a step; effective {float(effective):g}"
+    return [("weight decay", text + (f" (algorithm.decay = {placement!r})" if placement else ""))]
 
 
 def _param(value) -> str:

@@ -32,6 +32,8 @@ def create_file(exp, dataset, ranks) -> bool:
         "num_params": exp.d, "dataset_source": dataset.source,
         "dataset_sha256": dataset.sha256(),
         "algorithm_paper": exp.alg.paper, "command": command_line(),
+        # what train.weight_decay amounts to under this method (Algorithm.effective_weight_decay)
+        "effective_weight_decay": float(exp.alg.effective_weight_decay(cfg.train.weight_decay)),
         "writer": liveness.identity(), "eval_batch_size": exp.eval_batch,
         "client_group": exp.group,
     }
