@@ -34,9 +34,11 @@ GROUPED = sorted(n for n, c in algorithms.REGISTRY.items() if c.trains_in_groups
 # float rounding of batched kernels against one client's: a few ulps of the weights per step
 TOL = dict(rtol=1e-4, atol=1e-5)
 
-# TINY's CNN and the 2NN train by their hand-written gradients; a projection head makes
-# the CNN no chain of plain layers, so torch.func.vmap differentiates it
-GROUP_FORMS = [None, {**TINY["model"], "proj_dim": 4}, {"name": "2nn", "hidden": [16]}]
+# TINY's CNN (unpadded, and padded as the paper's) and the 2NN train by their
+# hand-written gradients; a projection head makes the CNN no chain of plain layers, so
+# torch.func.vmap differentiates it
+GROUP_FORMS = [None, {**TINY["model"], "proj_dim": 4}, {"name": "2nn", "hidden": [16]},
+               {**TINY["model"], "padding": "same"}]
 
 
 class Samples(ClientData):
@@ -68,11 +70,16 @@ def context(**over):
 
 
 def flat_model(name="cnn", channels_last=False, device="cpu"):
-    """A small model by name; "cnn-vmap" is the CNN with its chain set aside, so a group
-    differentiates it by torch.func.vmap, not group_chain."""
+    """A small model by name; "cnn-same" is the CNN with padded convolutions (the paper's
+    network, ``model.padding = "same"``); "cnn-vmap" is the CNN with its chain set aside,
+    so a group differentiates it by torch.func.vmap, not group_chain."""
     torch.manual_seed(0)
     base = name.removesuffix("-vmap")
-    options = {"hidden": 16, "channels": [3, 4]} if base == "cnn" else {"hidden": [12]}
+    options = {"hidden": [12]}
+    if base.startswith("cnn"):
+        options = {"hidden": 16, "channels": [3, 4]}
+        if base == "cnn-same":
+            base, options["padding"] = "cnn", "same"
     flat = FlatModel(build_model(base, 1, 4, 16, **options), device,
                      channels_last=channels_last)
     if name.endswith("-vmap"):
@@ -133,14 +140,26 @@ def test_every_method_with_a_local_sgd_update_trains_in_groups():
                        "fednova", "fedprox", "fedsam", "mofedsam", "scaffold"]
 
 
-@pytest.mark.parametrize("model", ["cnn", "cnn-vmap", "2nn"])
+@pytest.mark.parametrize("model", ["cnn", "cnn-same", "cnn-vmap", "2nn"])
 @pytest.mark.parametrize("name", GROUPED)
 def test_group_form_equals_the_sequential_local_update(name, model):
     """Unequal clients (two full, one with a short last batch, one with fewer steps): each
     client's delta, loss, steps, contribution, gathered values and new state; for the
-    CNN and the 2NN (their hand-written gradients) and the CNN under torch.func.vmap (as
-    a model that is no chain of plain layers trains)."""
+    CNN (unpadded, and padded as the paper's), the 2NN (their hand-written gradients) and
+    the CNN under torch.func.vmap (as a model that is no chain of plain layers trains)."""
     assert_same_uploads(*both_paths(name, context(clip_norm=1.0), model=model))
+
+
+def test_the_padded_cnn_trains_in_groups_by_its_hand_written_gradient():
+    """model.padding = "same" keeps the CNN a chain of plain layers: its convolutions
+    carry padding 2, which group_chain reads into the grouped convolution and its
+    backward (the sequential comparison above would fail without it: other shapes)."""
+    model = group_sgd.group_model(flat_model("cnn-same"))
+    convs = [layer for layer in model.chain if layer.kind == "conv"]
+    assert kinds(model.chain) == CNN_KINDS
+    assert [layer.options[1] for layer in convs] == [(2, 2), (2, 2)]
+    assert [layer.options[1] for layer in group_sgd.group_model(flat_model("cnn")).chain
+            if layer.kind == "conv"] == [(0, 0), (0, 0)]
 
 
 @pytest.mark.parametrize("over", [
@@ -161,8 +180,8 @@ def test_group_corrections_with_their_own_state(name, params):
     assert_same_uploads(*both_paths(name, context(), params=params))
 
 
-@pytest.mark.parametrize("model,channels_last", [("cnn", True), ("cnn-vmap", True),
-                                                  ("2nn", False)])
+@pytest.mark.parametrize("model,channels_last", [("cnn", True), ("cnn-same", True),
+                                                  ("cnn-vmap", True), ("2nn", False)])
 def test_group_form_for_the_models_and_layouts(model, channels_last):
     assert_same_uploads(*both_paths("fedprox", context(), model=model,
                                     channels_last=channels_last))
@@ -240,6 +259,8 @@ CNN_KINDS = "conv pool relu conv pool relu flatten linear relu linear"
     (lambda: Wider(1, 4, 6, hidden=(5,)), (1, 6, 6), None),
     (lambda: build_model("cnn", 1, 4, 16, hidden=16, channels=[3, 4]), (1, 16, 16), CNN_KINDS),
     (lambda: build_model("cnn", 3, 4, 16, hidden=16, channels=[3, 4]), (3, 16, 16), CNN_KINDS),
+    (lambda: build_model("cnn", 3, 4, 16, hidden=16, channels=[3, 4], padding="same"),
+     (3, 16, 16), CNN_KINDS),
     (lambda: build_model("cnn", 1, 4, 16, hidden=16, channels=[3, 4], proj_dim=3), (1, 16, 16),
      None),
     (lambda: Strided(), (3, 16, 16), "conv pool relu conv pool relu flatten linear relu linear"),
@@ -455,6 +476,24 @@ def test_auto_groups_only_where_they_are_faster(tmp_path, model, threads, algori
                   algorithm={"name": algorithm},
                   system={"threads": threads, "client_group": "auto"}) as run:
         assert run.attrs["client_group"] == expected
+
+
+def test_a_grouped_run_of_the_padded_cnn_follows_the_sequential_run(tmp_path):
+    """The paper's CNN (model.padding = "same") in groups of 3 on the tiny run: the model
+    and rows of one client after another, up to rounding; both files record the padding."""
+    model = {**TINY["model"], "padding": "same"}
+    one = run_tiny(tmp_path, "one", model=model, system={"threads": 1})
+    grouped = run_tiny(tmp_path, "grouped", model=model, system={"threads": 1, "client_group": 3})
+    with one, grouped:
+        assert one.config["model"]["padding"] == grouped.config["model"]["padding"] == "same"
+        assert grouped.attrs["client_group"] == 3 and one.attrs["client_group"] == 1
+        # 4 x 4 x 8 features after the padded blocks on 16 x 16 images (1 x 1 x 8 unpadded)
+        assert grouped.state_dict()["body.7.weight"].shape == (32, 128)
+        np.testing.assert_allclose(grouped.model(), one.model(), rtol=1e-4, atol=1e-5)
+        a, b = one.clients(), grouped.clients()
+        for column in ("client", "steps", "n_samples", "bytes_up", "bytes_down"):
+            assert np.array_equal(a[column], b[column])
+        np.testing.assert_allclose(b["train_loss"], a["train_loss"], rtol=1e-4)
 
 
 def test_a_grouped_run_follows_the_sequential_run(tmp_path):

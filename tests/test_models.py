@@ -5,11 +5,15 @@ import pytest
 import torch
 from torch import nn
 
+from fedmpi import config as cfg
 from fedmpi.errors import UsageError
 from fedmpi.models import MODELS, build_model, model_options
 
+from conftest import fedmpi
+
 VARIANTS = [
     ("cnn", {}),
+    ("cnn", {"padding": "same"}),
     ("resnet18", {"stem": "cifar"}),
     ("resnet18", {"stem": "imagenet"}),
     ("vgg11", {}),
@@ -51,12 +55,49 @@ def test_no_buffers_and_no_batchnorm(name, opts):
 @pytest.mark.parametrize("name,opts,in_channels,image_size,low,high", [
     ("cnn", {}, 3, 32, 0.85e6, 0.92e6),
     ("cnn", {}, 1, 28, 0.57e6, 0.59e6),
+    ("cnn", {"padding": "same"}, 1, 28, 1.66e6, 1.67e6),
     ("resnet18", {"stem": "cifar"}, 3, 32, 11.1e6, 11.25e6),
     ("resnet18", {"stem": "imagenet"}, 3, 32, 11.1e6, 11.25e6),
     ("vgg11", {}, 3, 32, 9.7e6, 9.8e6),
 ])
 def test_parameter_counts(name, opts, in_channels, image_size, low, high):
     assert low <= _n_params(_build(name, opts, in_channels, image_size)) <= high
+
+
+# By hand, 10 classes, channels (32, 64), hidden 512; a 5x5 conv has 25 in c + 1 per output:
+#   conv1 25 c 32 + 32 (28x28x1: 832; 32x32x3: 2,432), conv2 25 32 64 + 64 = 51,264,
+#   out 512 10 + 10 = 5,130, fc 64 s s 512 + 512 with s the side after two blocks:
+#   "valid" (side - 4) // 2 twice: 28 -> 12 -> 4, fc 524,800; 32 -> 14 -> 5, fc 819,712
+#   "same"  side // 2 twice:        28 -> 14 -> 7, fc 1,606,144; 32 -> 16 -> 8, fc 2,097,664
+@pytest.mark.parametrize("padding,in_channels,image_size,count,flat", [
+    ("valid", 1, 28, 582_026, 1024),      # 832 + 51,264 + 524,800 + 5,130
+    ("same", 1, 28, 1_663_370, 3136),     # 832 + 51,264 + 1,606,144 + 5,130: the paper's
+    ("valid", 3, 32, 878_538, 1600),      # 2,432 + 51,264 + 819,712 + 5,130
+    ("same", 3, 32, 2_156_490, 4096),     # 2,432 + 51,264 + 2,097,664 + 5,130
+])
+def test_cnn_parameter_counts_exactly(padding, in_channels, image_size, count, flat):
+    """McMahan et al. 2017's CNN as printed (padded 5x5 convs) and fedmpi's default
+    (unpadded, as the PyTorch FL simulators): 1,663,370 and 582,026 parameters on
+    28x28x1 with 10 classes."""
+    model = _build("cnn", {"padding": padding}, in_channels, image_size)
+    assert _n_params(model) == count
+    assert model.body[7].in_features == flat
+    pad = (2, 2) if padding == "same" else (0, 0)
+    assert [m.padding for m in model.body if isinstance(m, nn.Conv2d)] == [pad, pad]
+
+
+def test_cnn_default_padding_is_the_unpadded_network_bit_for_bit():
+    """padding = "valid" is the network fedmpi always built: the same parameters under a
+    seed as without the option, and the same outputs (the presets' stored bits)."""
+    default, valid = _build("cnn", {}, 1, 28), _build("cnn", {"padding": "valid"}, 1, 28)
+    for (name, p), (other, q) in zip(default.named_parameters(), valid.named_parameters(),
+                                     strict=True):
+        assert name == other and torch.equal(p, q)
+    x = torch.randn(2, 1, 28, 28)
+    assert torch.equal(default(x), valid(x))
+    same = _build("cnn", {"padding": "same"}, 1, 28)
+    assert same.body[0].weight.shape == default.body[0].weight.shape
+    assert not torch.equal(same(x), default(x))
 
 
 def test_resnet18_imagenet_stem_matches_torchvision_size():
@@ -86,6 +127,8 @@ def test_init_is_deterministic_under_a_seed(name, opts):
 # full-batch steps on 4 noise images: ResNet's gradient norm (~35) needs a small step
 @pytest.mark.parametrize("name,opts,image_size,lr", [
     ("cnn", {}, 16, 0.05),
+    ("cnn", {"padding": "same"}, 16, 0.05),
+    ("cnn", {"padding": "same"}, 28, 0.05),
     ("resnet18", {"stem": "cifar"}, 16, 0.002),
     ("resnet18", {"stem": "imagenet"}, 32, 0.002),
     ("vgg11", {"dropout": 0.0}, 16, 0.05),
@@ -110,6 +153,7 @@ def test_sgd_steps_reduce_the_loss(name, opts, image_size, lr):
 
 def test_cnn_handles_the_smallest_image_and_rejects_smaller():
     assert build_model("cnn", 1, 10, 16)(torch.randn(1, 1, 16, 16)).shape == (1, 10)
+    assert build_model("cnn", 1, 10, 16, padding="same")(torch.randn(1, 1, 16, 16)).shape == (1, 10)
     with pytest.raises(UsageError, match="at least 16x16"):
         build_model("cnn", 1, 10, 15)
 
@@ -126,7 +170,7 @@ def test_channels_last_gives_the_same_outputs():
 def test_model_options_lists_defaults_that_build_the_default_model():
     assert set(MODELS) == {"cnn", "resnet18", "vgg11", "lstm", "mlp", "2nn"}
     assert model_options("2nn") == {"hidden": (200, 200)}
-    assert model_options("cnn") == {"hidden": 512, "channels": (32, 64)}
+    assert model_options("cnn") == {"hidden": 512, "channels": (32, 64), "padding": "valid"}
     assert model_options("resnet18") == {"num_groups": 2, "stem": "cifar"}
     assert model_options("vgg11") == {"norm": "none", "num_groups": 2, "dropout": 0.5}
     for name in MODELS:
@@ -179,6 +223,9 @@ def test_unknown_model_name_lists_the_allowed_names():
     ("cnn", {"hidden": True}, "model.hidden"),
     ("cnn", {"channels": (32,)}, "model.channels"),
     ("cnn", {"channels": (32, -1)}, "model.channels"),
+    ("cnn", {"padding": "full"}, "model.padding"),
+    ("cnn", {"padding": 2}, "model.padding"),
+    ("cnn", {"padding": "SAME"}, "model.padding"),
     ("resnet18", {"stem": "tiny"}, "model.stem"),
     ("resnet18", {"num_groups": 3}, "model.num_groups"),
     ("resnet18", {"norm": "group"}, "model.norm"),
@@ -191,3 +238,20 @@ def test_bad_options_raise_a_one_line_usage_error_naming_the_field(name, options
         build_model(name, 3, 10, 32, **options)
     message = str(info.value)
     assert message.startswith(field + " ") and "\n" not in message
+
+
+def test_a_bad_cnn_padding_is_one_line_naming_the_allowed_values():
+    """`--set model.padding=full`: exit 2, one line naming the field and both values;
+    nothing else on stderr."""
+    proc = fedmpi(["config", "--set", "model.padding=full"])
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == "fedmpi: model.padding must be one of 'valid', 'same', got 'full'\n"
+
+
+def test_the_resolved_padding_is_recorded_in_the_config():
+    """Every cnn config says which network ran: "valid" when not given, "same" as given
+    (the results file's config is the resolved one: tests/test_client_groups.py runs it)."""
+    assert cfg.resolve(overrides=["rounds=1"]).model.options["padding"] == "valid"
+    c = cfg.resolve(overrides=['model.padding="same"'])
+    assert c.model.options["padding"] == "same" and c.to_dict()["model"]["padding"] == "same"
+    assert cfg.resolve(overrides=["model.padding=same"]).model.options["padding"] == "same"

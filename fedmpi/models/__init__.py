@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping
 from torch import nn
 
 from fedmpi.errors import UsageError
-from fedmpi.models.cnn import CNN
+from fedmpi.models.cnn import CNN, PADDINGS
 from fedmpi.models.lstm import CharLSTM
 from fedmpi.models.mlp import MLP, TwoNN
 from fedmpi.models.resnet import STEMS, WIDTHS, ResNet18
@@ -108,9 +108,14 @@ class ModelSpec:
 
 
 MODELS: dict[str, ModelSpec] = {
-    "cnn": ModelSpec(CNN, "McMahan et al. 2017 two-conv CNN (0.88M params on 32x32x3)", {
+    "cnn": ModelSpec(CNN, "McMahan et al. 2017 two-conv CNN: padding 'valid' (default, the "
+                          "PyTorch FL simulators' network: 582,026 params on 28x28x1) or 'same' "
+                          "(the paper's: 1,663,370 params on 28x28x1)", {
         "hidden": Option(512, positive_int, "width of the hidden fully connected layer"),
         "channels": Option((32, 64), positive_int_pair, "output channels of the two 5x5 convs"),
+        "padding": Option("valid", one_of(*PADDINGS),
+                          "'valid': unpadded 5x5 convs (the presets' and benchmarks'); "
+                          "'same': padded by 2, the paper's TensorFlow network"),
     }, min_image_size=16),
     "resnet18": ModelSpec(ResNet18, "ResNet-18 with GroupNorm (11.2M params)", {
         "num_groups": Option(2, divisor_of_all(WIDTHS), "groups of every GroupNorm"),
