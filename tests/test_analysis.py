@@ -308,3 +308,42 @@ def test_every_archived_results_file_still_analyses(path, tmp_path):
     pytest.importorskip("matplotlib")
     out = fa.save_plot(runs, tmp_path / "archived.png", x="traffic")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_window_accuracy_is_the_raw_mean_over_the_window(tmp_path):
+    """Rounds 1..20 evaluated on even rounds at r / 100: the window 10..20 holds rounds
+    10, 12, ..., 20, mean 0.15; 11..11 holds nothing; 15..30 is not reached."""
+    acc = [NAN if r % 2 else r / 100 for r in range(1, 21)]
+    run = fa.load(write_run(tmp_path / "curve.h5", acc))[0]
+    assert fa.window_accuracy(run, 10, 20) == pytest.approx(0.15)
+    assert fa.window_accuracy(run, 1, 4) == pytest.approx(0.03)
+    assert math.isnan(fa.window_accuracy(run, 11, 11))
+    assert math.isnan(fa.window_accuracy(run, 15, 30))
+    # the EMA of the same curve lags: its value at 20 is below the window's last raw point
+    assert fa.final_accuracy(run, smooth=0.9) < 0.20
+
+
+def test_final_norm_is_the_final_models_norm(tiny, tmp_path):
+    for path in tiny:
+        with h5py.File(path, "r") as f:
+            expected = float(np.linalg.norm(f["model"]["final"][()].astype(np.float64)))
+        assert fa.final_norm(fa.load(path)[0]) == pytest.approx(expected, rel=1e-12) and expected > 0
+    assert math.isnan(fa.final_norm(fa.load(write_run(tmp_path / "none.h5", [0.5, 0.6]))[0]))
+    assert math.isnan(fa.final_norm(raw_rounds(tiny[0])))   # a plain dict of rounds has no model
+
+
+def test_a_file_from_before_the_decay_parameter_reads_as_it_ran(tmp_path):
+    """FedCM files record no algorithm.decay before it existed; they ran FL-Simulator's
+    placement, and the analysis reads them so (a new file keeps what it records)."""
+    old = write_run(tmp_path / "old.h5", [0.5], config={"algorithm": {"name": "fedcm", "alpha": 0.1},
+                                                        "seed": 0, "rounds": 1})
+    new = write_run(tmp_path / "new.h5", [0.5], config={"algorithm": {"name": "fedcm", "alpha": 0.1,
+                                                                      "decay": "matched"},
+                                                        "seed": 1, "rounds": 1})
+    avg = write_run(tmp_path / "avg.h5", [0.5])
+    runs = {run.path.name: run for run in fa.load(tmp_path)}
+    assert runs["old.h5"].get("algorithm.decay") == "code"
+    assert runs["new.h5"].get("algorithm.decay") == "matched"
+    assert runs["avg.h5"].get("algorithm.decay") is None
+    assert "algorithm.decay" in fa.differing_keys([runs["old.h5"], runs["new.h5"]])
+    assert new and avg

@@ -138,7 +138,10 @@ def test_groups_by_the_differing_keys_and_counts_runs_that_reached(sweep):
         ["fedavg", "0.5", "3", pct(0.76, 0.01), "3.5 ± 0.7 (2/3)"],
     ]
     by_alpha = run_cli(["report", sweep, "-g", "partition.alpha", "--columns", "final"]).stdout.splitlines()
-    assert [line.split()[:3] for line in by_alpha[2:4]] == [["0.1", "6", "76.00"], ["0.5", "6", "81.00"]]
+    # two algorithms x seeds 0-2 in a group: 6 runs of 3 seeds, and the algorithm not a column
+    assert [line.split()[:5] for line in by_alpha[2:4]] == [["0.1", "6", "(3", "seeds)", "76.00"],
+                                                            ["0.5", "6", "(3", "seeds)", "81.00"]]
+    assert "also differ: algorithm.name" in by_alpha
 
 
 def test_smoothed_accuracy_is_used_when_asked(sweep):
@@ -181,6 +184,10 @@ def test_runs_that_did_not_complete_get_their_own_rows(tmp_path):
     (["--columns", "final,speed"], "'speed'"),
     (["--columns", "rounds"], "--target"),
     (["--smooth", "1.5"], "--smooth"),
+    (["--window", "100:60"], "--window '100:60'"),
+    (["--window", "0:10"], "--window '0:10'"),
+    (["--window", "sixty"], "--window 'sixty'"),
+    (["--columns", "window"], "--window START:END"),
 ])
 def test_bad_options_are_one_line_and_exit_2(sweep, args, names):
     proc = run_cli(["report", sweep, *args])
@@ -238,3 +245,32 @@ def test_merge_runs_writes_one_row_per_run(sweep, tmp_path):
     never = next(r for r in rows if r["run"].endswith("fedavg-a0.1-s2.h5"))
     assert never["rounds_to_0.8"] == ""
     assert tool("merge_runs.py", sweep, "--target", "80%").stdout == out.read_text()
+
+
+@pytest.mark.slow
+def test_window_means_and_the_final_norm_per_group(tiny):
+    """--window 2:4 is the mean of the raw accuracy at rounds 2 and 4 (eval.every = 2);
+    --columns norm the L2 norm of each run's final model, both as mean ± std over seeds,
+    computed here from the raw files."""
+    import numpy as np
+
+    proc = run_cli(["report", tiny[0].parent, "--window", "2:4", "--columns", "window,norm",
+                    "--format", "csv"])
+    assert proc.returncode == 0, proc.stderr
+    rows = {row["algorithm.name"]: row for row in csv.DictReader(io.StringIO(proc.stdout))}
+    for algorithm in by_algorithm(tiny):
+        paths = [p for p in tiny if p.name.startswith(algorithm + "-")]
+        windows = [(raw_rounds(p)["test_acc"][2] + raw_rounds(p)["test_acc"][4]) / 2 for p in paths]
+        norms = []
+        for path in paths:
+            with h5py.File(path, "r") as f:
+                norms.append(float(np.linalg.norm(f["model"]["final"][()].astype(np.float64))))
+        row = rows[algorithm]
+        assert float(row["window@2-4_mean"]) == pytest.approx(statistics.mean(windows), rel=1e-12)
+        assert float(row["window@2-4_std"]) == pytest.approx(statistics.stdev(windows), rel=1e-9)
+        assert float(row["final_norm_mean"]) == pytest.approx(statistics.mean(norms), rel=1e-12)
+    text = run_cli(["report", tiny[0].parent, "--window", "2:4", "--columns", "window,final,norm"]).stdout
+    assert text.splitlines()[0].split() == ["algorithm", "n", "acc[2-4]", "%", "final", "%", "‖x‖"]
+    assert "acc[a-b]: the mean of the raw (never smoothed) test accuracy" in text
+    # without --columns norm no file's model is read, and no norm column appears
+    assert "‖x‖" not in run_cli(["report", tiny[0].parent, "--window", "2:4"]).stdout

@@ -4,8 +4,10 @@ Rows are the values of one config key (the algorithm), columns the settings (the
 of the other keys that differ between the runs, e.g. partition.alpha or clients.num),
 and each setting has one sub-column per metric: final accuracy (or accuracy at --at
 rounds, FedACG's 500R/1000R), optionally EMA-smoothed, and rounds to each --target
-accuracy (FedMRUR). Cells are mean ± std over the seeds. Only completed runs are used;
-any others are named on stderr.
+accuracy (FedMRUR). Cells are mean ± std over the seeds; a cell whose runs share seeds
+(replicas) is named under the table, as are the config keys the runs also differ in
+besides rows and settings (``also differ: ...``; on stderr with --format csv). Only
+completed runs are used; any others are named on stderr.
 
     python tools/paper_table.py runs/sweep --target 0.8 --format markdown
     python tools/paper_table.py runs/ --setting partition.alpha --at 500 --at 1000 --smooth 0.9
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import click
 
-from fedmpi.analysis import differing_keys, group_table, pivot, render
+from fedmpi.analysis import confounds, differing_keys, group_table, pivot, render
 from fedmpi.analysis.cli import load_runs, parse_rounds, parse_smooth, parse_targets
 from fedmpi.analysis.metrics import target_name
 from fedmpi.analysis.tables import check_keys
@@ -53,16 +55,35 @@ def main(sources, row_key, setting, metric, at, target, smooth, fmt, strict):
     labels, columns, cells = pivot(rows, row_key, settings)
     metrics = [f"acc@{r}" for r in at] or [f"{metric}_acc"]
     metrics += [f"rounds_to_{target_name(t)}" for t in targets]
+    also = confounds(runs, [row_key] + settings)
+    also = f"also differ: {', '.join(also)}" if also else ""
     if fmt == "csv":
         click.echo(render.csv_table(_csv_rows(labels, columns, cells, row_key, settings, metrics)), nl=False)
+        if also:   # the CSV stays a table a program reads
+            click.echo(f"paper_table: {also}", err=True)
         return
     headers = [render.key_header(row_key, [row_key])] + [
         _setting_title(s, settings) + f" {_metric_title(m)}" for s in columns for m in metrics]
     body = [[render.value(label)] + [_cell(cells.get((label, s)), m) for s in columns for m in metrics]
             for label in labels]
     layout = render.markdown_table if fmt == "markdown" else render.text_table
-    note = "mean ± std over seeds; accuracy in %" + (f", EMA({parse_smooth(smooth):g})" if smooth else "")
-    click.echo(layout(headers, body) + "\n\n" + note)
+    notes = ([also] if also else []) + _notes(labels, columns, cells, settings, smooth)
+    click.echo(layout(headers, body) + "\n\n" + "\n".join(notes))
+
+
+def _notes(labels, columns, cells, settings, smooth) -> list[str]:
+    """Over seeds only where every cell's runs have distinct seeds; else over runs, and
+    each cell whose runs share seeds (replicas) named."""
+    accuracy = "accuracy in %" + (f", EMA({parse_smooth(smooth):g})" if smooth else "")
+    replicas = [render.replicas(_cell_title(label, s, settings), cell["n"], cell["seeds"])
+                for label in labels for s in columns
+                if (cell := cells.get((label, s))) and cell["seeds"] < cell["n"]]
+    over = "the runs of a cell" if replicas else "seeds"
+    return [f"mean ± std over {over}; {accuracy}"] + replicas
+
+
+def _cell_title(label, setting: tuple, settings: list[str]) -> str:
+    return render.value(label) + (f", {_setting_title(setting, settings)}" if settings else "")
 
 
 def _completed(runs):
@@ -95,13 +116,15 @@ def _cell(row: dict | None, metric: str) -> str:
 
 
 def _csv_rows(labels, columns, cells, row_key, settings, metrics) -> list[dict]:
-    """One CSV row per method; per setting and metric the raw mean, std (and reached), n."""
+    """One CSV row per method; per setting n and seeds (distinct), per metric the raw
+    mean, std (and reached)."""
     out = []
     for label in labels:
         row = {row_key: label}
         for s in columns:
             cell, title = cells.get((label, s)), _setting_title(s, settings)
             row[f"{title} n"] = cell["n"] if cell else None
+            row[f"{title} seeds"] = cell["seeds"] if cell else None
             for m in metrics:
                 for part in ("mean", "std") + (("reached",) if m.startswith("rounds_to_") else ()):
                     row[f"{title} {m}_{part}"] = cell[f"{m}_{part}"] if cell else None

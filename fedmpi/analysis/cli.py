@@ -37,15 +37,19 @@ def _grouping(command):
 @click.option("--at", multiple=True, metavar="ROUND", help="Accuracy at this round (repeatable).")
 @click.option("--target", multiple=True, metavar="ACC",
               help="Rounds to reach this accuracy: 0.8 or 80% (repeatable).")
+@click.option("--window", multiple=True, metavar="START:END",
+              help="Mean of the raw (never smoothed) accuracy over rounds START..END, e.g. "
+                   "60:100 (repeatable).")
 @click.option("--format", "fmt", metavar="text|csv|markdown", help="Output format (default text).")
 @click.option("--columns", multiple=True, metavar="LIST",
-              help="Columns to show, comma-separated: acc,final,best,rounds,hours,traffic,upload,"
-                   "per_round,time,vtime,kappa,rho,probes (hours, vtime: runs with the virtual "
-                   "clock; upload: MB uploaded; per_round: MB down + up per round).")
+              help="Columns to show, comma-separated: acc,window,final,best,rounds,hours,traffic,"
+                   "upload,per_round,time,vtime,norm,kappa,rho,probes (hours, vtime: runs with the "
+                   "virtual clock; upload: MB uploaded; per_round: MB down + up per round; norm: "
+                   "the final model's L2 norm, only when named here).")
 @click.option("--completed-only", is_flag=True, help="Leave out runs that did not complete.")
 @click.option("--summary", is_flag=True, help="A summary per run instead of a table.")
 @one_line_errors
-def report(sources, strict, group_by, smooth, at, target, fmt, columns, completed_only, summary):
+def report(sources, strict, group_by, smooth, at, target, window, fmt, columns, completed_only, summary):
     """Summarise one run, or tabulate many grouped by config (mean ± std over seeds).
 
     One results file and no table options: the run's summary. Otherwise one row per
@@ -55,16 +59,20 @@ def report(sources, strict, group_by, smooth, at, target, fmt, columns, complete
     with the virtual clock (system_model) also the virtual hours to each --target (H@x)
     and in all (virtual h).
     """
-    from fedmpi.analysis.report import report_table, summarize
+    from fedmpi.analysis.report import confound_line, report_table, summarize
 
     runs = load_runs(sources, strict, completed_only)
-    table_options = group_by or at or target or smooth or fmt or columns
+    table_options = group_by or at or target or window or smooth or fmt or columns
     if summary or (len(runs) == 1 and not table_options):
         click.echo("\n\n".join(summarize(run.path) for run in runs))
         return
     click.echo(report_table(runs, group_by=list(group_by), at=parse_rounds(at), targets=parse_targets(target),
-                            smooth=parse_smooth(smooth), columns=parse_columns(columns), fmt=fmt or "text"),
+                            smooth=parse_smooth(smooth), columns=parse_columns(columns), fmt=fmt or "text",
+                            windows=parse_windows(window)),
                nl=fmt != "csv")
+    also = confound_line(runs, list(group_by)) if fmt == "csv" else ""
+    if also:   # the text and Markdown tables carry it; the CSV stays a table a program reads
+        click.echo(f"fedmpi report: {also}", err=True)
 
 
 @click.command()
@@ -177,6 +185,18 @@ def parse_rounds(values) -> list[int]:
             raise UsageError(f"--at {text!r}: expected a round number >= 1")
         out.append(int(text))
     return list(dict.fromkeys(out))   # --at 50 --at 50: one column (a CSV's names stay unique)
+
+
+def parse_windows(values) -> list[tuple[int, int]]:
+    """START:END round pairs, 1 <= START <= END."""
+    out = []
+    for text in values:
+        start, _, end = text.strip().partition(":")
+        if not (start.isdigit() and end.isdigit()) or not 1 <= int(start) <= int(end):
+            raise UsageError(f"--window {text!r}: expected START:END, rounds with 1 <= START <= END, "
+                             "e.g. 60:100")
+        out.append((int(start), int(end)))
+    return list(dict.fromkeys(out))
 
 
 def parse_targets(values) -> list[float]:

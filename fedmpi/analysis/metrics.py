@@ -79,6 +79,25 @@ def final_accuracy(run, smooth: float | None = None) -> float:
     return float(acc[-1]) if len(acc) else math.nan
 
 
+def window_accuracy(run, start: int, end: int) -> float:
+    """The mean of the raw (never smoothed) evaluated accuracies of rounds start..end, both
+    included; NaN if the run has not reached ``end`` or evaluated nothing there. An EMA
+    carries the early rounds on for dozens of evaluations (a method that starts slow looks
+    behind long after it is not), a window mean does not."""
+    if end > last_round(run):
+        return math.nan
+    ids, acc = accuracy_curve(run)
+    inside = acc[(ids >= start) & (ids <= end)]
+    return float(inside.mean()) if len(inside) else math.nan
+
+
+def final_norm(run) -> float:
+    """||x||_2 of the run's final global model (its whole flat state, summed in float64),
+    NaN without one (a run still going, or a plain dict of rounds): a decay that acts
+    harder shows as a smaller model."""
+    return float(getattr(run, "final_norm", math.nan))
+
+
 def best_accuracy(run, smooth: float | None = None) -> float:
     """The highest evaluated accuracy (NaN if never evaluated)."""
     _, acc = accuracy_curve(run, smooth)
@@ -221,11 +240,14 @@ def probe_results(run) -> dict[str, float]:
     return out
 
 
-def summary(run, at=(), targets=(), smooth: float | None = None) -> dict:
+def summary(run, at=(), targets=(), smooth: float | None = None, windows=(),
+            norm: bool = False) -> dict:
     """Every per-run number in one flat dict (the columns of ``runs_table``).
 
-    Keys: rounds_done, final_acc, best_acc, acc@R per ``at``, rounds_to_T per ``targets``
-    (None if never reached), traffic_mb, upload_mb, mb_per_round, time_s, kappa, rho, and the probes of a
+    Keys: rounds_done, final_acc, best_acc, acc@R per ``at``, window@A-B per ``windows``
+    ((A, B) round pairs: the raw accuracy's mean over A..B, never smoothed), rounds_to_T
+    per ``targets`` (None if never reached), traffic_mb, upload_mb, mb_per_round, time_s,
+    kappa, rho, final_norm with ``norm`` (it reads the final model), and the probes of a
     self-supervised run (``probe_results``). A run with the virtual clock adds
     hours_to_T per ``targets`` (None if never reached) and virtual_h.
     """
@@ -233,6 +255,9 @@ def summary(run, at=(), targets=(), smooth: float | None = None) -> dict:
            "final_acc": final_accuracy(run, smooth),
            "best_acc": best_accuracy(run, smooth)}
     out.update({f"acc@{r}": accuracy_at(run, r, smooth) for r in at})
+    out.update({window_name(a, b): window_accuracy(run, a, b) for a, b in windows})
+    if norm:
+        out["final_norm"] = final_norm(run)
     out.update({f"rounds_to_{target_name(t)}": rounds_to(run, t, smooth) for t in targets})
     out.update(traffic_mb=total_traffic_mb(run), upload_mb=upload_mb(run),
                mb_per_round=traffic_per_round_mb(run), time_s=wall_time(run), kappa=kappa(run),
@@ -242,6 +267,11 @@ def summary(run, at=(), targets=(), smooth: float | None = None) -> dict:
         out["virtual_h"] = virtual_hours(run)
     out.update(probe_results(run))
     return out
+
+
+def window_name(start: int, end: int) -> str:
+    """The column of a window's mean accuracy: window@60-100."""
+    return f"window@{start}-{end}"
 
 
 def target_name(target: float) -> str:

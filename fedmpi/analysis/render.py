@@ -2,7 +2,8 @@
 
 Display cells follow the papers: accuracy in percent with two decimals, ``mean ± std``
 (the std left out for a single run), rounds-to-target with how many runs reached it
-(``153 ± 12 (2/3)``), virtual hours to a target likewise. CSV carries the raw numbers
+(``153 ± 12 (2/3)``), virtual hours to a target likewise; a group whose runs share
+seeds says so in its count (``3 (1 seed)``). CSV carries the raw numbers
 instead, one column per mean, std and count, with accuracies as fractions, so a
 spreadsheet or pandas gets exact values.
 """
@@ -71,6 +72,21 @@ def hours_stat(mean: float, std: float, reached: int, n: int) -> str:
     if not reached:
         return f"- (0/{n})"
     return f"{hours(mean, std if reached > 1 else math.nan)} ({reached}/{n})"
+
+
+def runs_count(n: int, seeds: int | None = None, width: int = 0) -> str:
+    """The n cell: ``3``, or ``3 (1 seed)`` where runs share seeds (replicas of a seed);
+    the count right-aligned in ``width``."""
+    count = str(n).rjust(width)
+    if seeds is None or seeds >= n:
+        return count
+    return f"{count} ({seeds} seed{'s' if seeds != 1 else ''})"
+
+
+def replicas(label: str, n: int, seeds: int) -> str:
+    """The note for a group whose runs share seeds: their ± is not a spread over seeds."""
+    return (f"{label}: {n} runs, {seeds} distinct seed{'s' if seeds != 1 else ''}: "
+            "± is the spread of replicas, not over seeds")
 
 
 def value(v) -> str:

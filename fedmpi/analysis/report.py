@@ -8,7 +8,9 @@ they record.
 seed papers' tables: accuracy at chosen rounds, final and best accuracy, rounds to
 target accuracies, FL traffic, wall time and FNR-FL's kappa and rho, each as
 mean ± std over the group's runs; for runs with the virtual clock (system_model) also
-the virtual hours to the targets and in all. The numbers come from
+the virtual hours to the targets and in all. Under the table: the config keys the runs
+also differ in besides the grouping (``also differ: ...``), and each group whose runs
+share seeds, whose ± is then a spread of replicas. The numbers come from
 ``fedmpi.analysis``; this module only chooses and lays out columns.
 """
 
@@ -21,9 +23,10 @@ import socket
 import numpy as np
 
 from fedmpi.analysis import render
-from fedmpi.analysis.metrics import HOUR, has_virtual_clock, target_name, traffic_per_round_mb
+from fedmpi.analysis.metrics import (HOUR, has_virtual_clock, target_name, traffic_per_round_mb,
+                                     window_name)
 from fedmpi.analysis.runs import get_key
-from fedmpi.analysis.tables import group_keys, group_table
+from fedmpi.analysis.tables import confounds, group_keys, group_table
 from fedmpi.analysis.watch import duration, file_age
 from fedmpi.errors import UsageError
 from fedmpi.results import liveness, open_run, schema
@@ -252,8 +255,8 @@ def _virtual(rounds: dict) -> list[tuple[str, str]]:
 
 # --columns choices, in display order; acc needs --at, rounds and hours need --target,
 # hours and vtime a run with the virtual clock.
-COLUMNS = ("acc", "final", "best", "rounds", "hours", "traffic", "upload", "per_round", "time",
-           "vtime", "kappa", "rho", "probes")
+COLUMNS = ("acc", "window", "final", "best", "rounds", "hours", "traffic", "upload", "per_round",
+           "time", "vtime", "norm", "kappa", "rho", "probes")
 _NUMBER_COLUMNS = {"traffic": ("traffic_mb", "traffic MB"), "upload": ("upload_mb", "up MB"),
                    "per_round": ("mb_per_round", "MB/round"), "time": ("time_s", "time s"),
                    "kappa": ("kappa", "kappa"), "rho": ("rho", "rho")}
@@ -261,28 +264,64 @@ _NO_CLOCK = "set system_model.profiles = \"lognormal\" to run with one"
 
 
 def report_table(runs, group_by=None, at=(), targets=(), smooth=None, columns=None,
-                 fmt: str = "text") -> str:
+                 fmt: str = "text", windows=()) -> str:
     """Runs grouped by ``group_by`` (default: algorithm.name + the differing config keys),
     each group's metrics as mean ± std over its runs, as text, csv or markdown."""
     if fmt not in render.FORMATS:
         raise UsageError(f"--format {fmt!r}: allowed are {', '.join(render.FORMATS)}")
-    keys = list(group_by) if group_by else group_keys(runs)
-    rows = group_table(runs, keys, at, targets, smooth)
+    keys = _keys(runs, group_by)
+    # the final model's norm is read only when asked for: it opens every file's /model
+    norm = bool(columns) and "norm" in columns
+    rows = group_table(runs, keys, at, targets, smooth, windows, norm)
     probes = sorted((k[:-len("_mean")] for k in (rows[0] if rows else {})
                      if k.endswith("_mean") and _is_probe(k[:-len("_mean")])), key=_probe_order)
     chosen = _choose(columns, at, targets, bool(probes), any(has_virtual_clock(run) for run in runs),
-                     any(_compressed(run) for run in runs))
-    specs = _metric_specs(chosen, at, targets, probes)
+                     any(_compressed(run) for run in runs), windows)
+    specs = _metric_specs(chosen, at, targets, probes, windows)
     if fmt == "csv":
-        return render.csv_table(rows, keys + ["status", "n"] + [f for spec in specs for f in spec[2]])
+        return render.csv_table(rows, keys + ["status", "n", "seeds"] + [f for spec in specs for f in spec[2]])
     show_status = any(row["status"] != "completed" for row in rows)
     headers = [render.key_header(k, keys) for k in keys] + ["status"] * show_status + ["n"]
     headers += [spec[0] for spec in specs]
+    # n reads "3 (1 seed)" where runs share seeds: the counts right-aligned among
+    # themselves, the column then left-aligned so that the words follow them
+    replicas = any(row["seeds"] < row["n"] for row in rows)
+    digits = max((len(str(row["n"])) for row in rows), default=0) if fmt == "text" else 0
     cells = [[render.value(row[k]) for k in keys] + [row["status"]] * show_status
-             + [str(row["n"])] + [spec[1](row) for spec in specs] for row in rows]
+             + [render.runs_count(row["n"], row["seeds"], digits)] + [spec[1](row) for spec in specs]
+             for row in rows]
     layout = render.markdown_table if fmt == "markdown" else render.text_table
-    table = layout(headers, cells, left=len(keys) + show_status)
-    return table + "\n\n" + _notes(chosen, smooth, show_status)
+    table = layout(headers, cells, left=len(keys) + show_status + replicas)
+    notes = _notes(chosen, smooth, show_status, _replicas(rows, keys, show_status))
+    also = confound_line(runs, keys)
+    return table + "\n\n" + (also + "\n" if also else "") + notes
+
+
+def _keys(runs, group_by) -> list[str]:
+    return list(group_by) if group_by else group_keys(runs)
+
+
+def confound_line(runs, group_by=None) -> str:
+    """``also differ: train.weight_decay, ...``: config keys the rows differ in besides
+    the grouping keys (``tables.confounds``); '' when none. Under a text or Markdown
+    table; `fedmpi report --format csv` puts it on stderr, to keep the CSV pure."""
+    keys = confounds(runs, _keys(runs, group_by))
+    return f"also differ: {', '.join(keys)}" if keys else ""
+
+
+def _replicas(rows, keys, show_status) -> list[str]:
+    """A note per group whose runs share seeds: their ± is the spread of replicas."""
+    return [render.replicas(_label(row, keys, show_status), row["n"], row["seeds"])
+            for row in rows if row["seeds"] < row["n"]]
+
+
+def _label(row: dict, keys: list[str], show_status: bool) -> str:
+    """A group as its row reads: ``fedavg, alpha=0.1`` (``(failed)`` when not completed)."""
+    parts = [render.value(row[k]) if k == "algorithm.name" else
+             f"{render.key_header(k, keys)}={render.value(row[k])}" for k in keys]
+    if show_status and row["status"] != "completed":
+        parts[-1] += f" ({row['status']})"
+    return ", ".join(parts)
 
 
 PROBE_ORDER = ("linear_acc", "effective_rank")
@@ -325,11 +364,12 @@ def _compressed(run) -> bool:
 
 
 def _choose(columns, at, targets, probes: bool = False, clock: bool = False,
-            compressed: bool = False) -> list[str]:
+            compressed: bool = False, windows=()) -> list[str]:
     """Chosen columns in display order; by default everything the options give numbers for
-    (upload and per_round when a run compresses its messages)."""
+    (upload and per_round when a run compresses its messages; norm only when asked for)."""
     if not columns:
-        return [c for c in COLUMNS if (c != "acc" or at) and (c not in ("rounds", "hours") or targets)
+        return [c for c in COLUMNS if (c != "acc" or at) and (c != "window" or windows)
+                and c != "norm" and (c not in ("rounds", "hours") or targets)
                 and (c != "probes" or probes) and (c not in ("hours", "vtime") or clock)
                 and (c not in ("upload", "per_round") or compressed)]
     unknown = [c for c in columns if c not in COLUMNS]
@@ -337,6 +377,8 @@ def _choose(columns, at, targets, probes: bool = False, clock: bool = False,
         raise UsageError(f"--columns: unknown column {unknown[0]!r}; allowed: {', '.join(COLUMNS)}")
     if "acc" in columns and not at:
         raise UsageError("--columns acc needs --at ROUND (accuracy at that round)")
+    if "window" in columns and not windows:
+        raise UsageError("--columns window needs --window START:END (the mean accuracy over those rounds)")
     if "rounds" in columns and not targets:
         raise UsageError("--columns rounds needs --target ACC (rounds to reach that accuracy)")
     if "hours" in columns and not targets:
@@ -347,7 +389,7 @@ def _choose(columns, at, targets, probes: bool = False, clock: bool = False,
     return [c for c in COLUMNS if c in columns]
 
 
-def _metric_specs(chosen, at, targets, probes=()) -> list[tuple]:
+def _metric_specs(chosen, at, targets, probes=(), windows=()) -> list[tuple]:
     """(header, row -> display cell, raw CSV fields) per displayed column."""
     specs = []
     for name in chosen:
@@ -363,6 +405,11 @@ def _metric_specs(chosen, at, targets, probes=()) -> list[tuple]:
                     specs.append(_acc_spec(header, field))
         elif name == "acc":
             specs += [_acc_spec(f"acc@{r} %", f"acc@{r}") for r in at]
+        elif name == "window":
+            specs += [_acc_spec(f"acc[{a}-{b}] %", window_name(a, b)) for a, b in windows]
+        elif name == "norm":
+            specs.append(("‖x‖", lambda row: render.stat(row["final_norm_mean"], row["final_norm_std"]),
+                          ["final_norm_mean", "final_norm_std"]))
         elif name in ("final", "best"):
             specs.append(_acc_spec(f"{name} %", f"{name}_acc"))
         elif name == "rounds":
@@ -403,10 +450,15 @@ def _hours_spec(target: float) -> tuple:
     return (f"H@{100 * target:g}%", cell, [f"{field}_mean", f"{field}_std", f"{field}_reached"])
 
 
-def _notes(chosen, smooth, show_status) -> str:
+def _notes(chosen, smooth, show_status, replicas=()) -> str:
     """What the numbers are, under the table (text and Markdown only)."""
     acc = "test accuracy in %" + (f", EMA({smooth:g})-smoothed over evaluated rounds" if smooth else "")
-    notes = [f"mean ± std (sample std) over the n runs of a group; {acc}"]
+    notes = [f"mean ± std (sample std) over the n runs of a group; {acc}", *replicas]
+    if "window" in chosen:
+        notes.append("acc[a-b]: the mean of the raw (never smoothed) test accuracy over the "
+                     "rounds a..b that were evaluated")
+    if "norm" in chosen:
+        notes.append("‖x‖: L2 norm of the final global model")
     if "rounds" in chosen:
         notes.append("R@x: first round whose accuracy reaches x, "
                      "mean over the runs that reached it (reached/n)")

@@ -13,12 +13,14 @@ from its last checkpoint), the later rows win.
 from __future__ import annotations
 
 import glob
+import math
 import warnings
 from functools import cached_property
 from pathlib import Path
 
 import numpy as np
 
+from fedmpi.config.since import as_started
 from fedmpi.errors import UsageError
 from fedmpi.results import liveness, open_run
 
@@ -32,6 +34,9 @@ class Run:
         with open_run(self.path) as f:
             self.attrs: dict = f.attrs
             self.config: dict = f.config
+            # a parameter added since the file was written reads as what its rounds ran
+            # (FedCM's decay: "code"), so tables tell old runs from new ones
+            as_started(self.config)
             self.rounds: dict[str, np.ndarray] = latest_rows(f.rounds(), by_block=False)
 
     @cached_property
@@ -48,6 +53,17 @@ class Run:
     def get(self, key: str, default=None):
         """A config value by dotted key, e.g. ``run.get("partition.alpha")``."""
         return get_key(self.config, key, default)
+
+    @cached_property
+    def final_norm(self) -> float:
+        """||x||_2 of the final global model (/model/final, summed in float64); NaN for a
+        run that has none (still going, or stopped before its end)."""
+        with open_run(self.path) as f:
+            try:
+                final = f.model("final")
+            except (KeyError, UsageError):   # no /model group, or no final vector in it
+                return math.nan
+        return float(np.linalg.norm(final.astype(np.float64)))
 
     @cached_property
     def clients(self) -> dict[str, np.ndarray]:

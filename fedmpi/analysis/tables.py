@@ -10,6 +10,12 @@ Which keys tell runs apart: ``differing_keys`` returns the config keys whose val
 differ among the runs that have them, ignoring labels and placement (``seed``,
 ``name``, ``output``, ``data.data_dir``, ``system.*``). A key only one algorithm has
 (``algorithm.mu``) counts only if its values differ.
+
+What else differs: ``confounds`` returns the keys that differ among the runs being
+compared but are not the grouping keys (hyperparameters nobody grouped by, a precision
+``IGNORED_KEYS`` hid), so a table can say that its rows differ in more than their labels.
+Each group row says how many distinct seeds its runs have (``seeds``): runs sharing a
+seed are replicas, and their spread is not a spread over seeds.
 """
 
 from __future__ import annotations
@@ -27,6 +33,13 @@ from fedmpi.results import schema
 
 # Labels and placement: they differ between runs of one setting, so never split groups.
 IGNORED_KEYS = ("seed", "name", "output", "data.data_dir", "system.")
+# What only places or paces the work (where, on how many threads, in which groups, how
+# often it checkpoints): at most the last floating-point bits change. system.precision
+# (tf32, bf16) changes the arithmetic itself, so it is not here; a system field added
+# later counts as a confound until it is named here.
+PLACEMENT_KEYS = ("seed", "name", "output", "data.data_dir", "system.device", "system.gpu_share",
+                  "system.deterministic", "system.threads", "system.client_group",
+                  "system.state_memory_mb", "system.state_dir", "system.checkpoint_every")
 STATUS_ORDER = ("completed", "running", "interrupted", "crashed", "failed")
 
 
@@ -42,6 +55,43 @@ def differing_keys(runs: list[Run], ignore=IGNORED_KEYS) -> list[str]:
 def group_keys(runs: list[Run]) -> list[str]:
     """The default grouping: algorithm.name plus every differing key (seeds are averaged)."""
     return ["algorithm.name"] + [k for k in differing_keys(runs) if k != "algorithm.name"]
+
+
+def confounds(runs: list[Run], keys) -> list[str]:
+    """Config keys whose values differ among ``runs`` besides the grouping ``keys``, sorted.
+
+    Not counted: ``keys`` themselves, and ``PLACEMENT_KEYS``: the seed (what a table
+    averages over), labels (``name``, ``output``, ``data.data_dir``) and the system fields
+    that only place or pace the work: ``system.device``, ``gpu_share``, ``threads``,
+    ``client_group`` and ``deterministic`` change at most the last floating-point bits,
+    ``state_memory_mb``, ``state_dir`` and ``checkpoint_every`` where and how often state
+    is written. ``system.precision`` (tf32, bf16) changes the arithmetic, so it counts, as
+    does any system field added later. A key only some runs have counts if its values
+    differ among those; an algorithm parameter (``algorithm.alpha``) is compared only
+    among runs of the same ``algorithm.name``: FedCM's alpha and FedMIM's alpha are
+    different parameters, two FedCM runs with different alphas a confound.
+    """
+    keys = {keys} if isinstance(keys, str) else set(keys or ())
+    flat = [flatten(run.config) for run in runs]
+    names = sorted(set().union(*flat)) if flat else []
+    return [k for k in names if k not in keys and not _ignored(k, PLACEMENT_KEYS) and _differs(flat, k)]
+
+
+def _differs(flat: list[dict], key: str) -> bool:
+    """Whether ``key``'s values differ among the runs that have it; for an algorithm
+    parameter, among the runs of one algorithm."""
+    if key.startswith("algorithm.") and key != "algorithm.name":
+        by_algorithm: dict[str, set] = {}
+        for f in flat:
+            if key in f:
+                by_algorithm.setdefault(_canonical(f.get("algorithm.name")), set()).add(_canonical(f[key]))
+        return any(len(values) > 1 for values in by_algorithm.values())
+    return len({_canonical(f[key]) for f in flat if key in f}) > 1
+
+
+def _distinct_seeds(seeds) -> int:
+    """Distinct seeds; a run without one (None) counts as distinct from every other."""
+    return len({_canonical(s) for s in seeds if s is not None}) + sum(s is None for s in seeds)
 
 
 def check_keys(runs: list[Run], keys, option: str = "keys") -> list[str]:
@@ -74,21 +124,25 @@ def clients_table(runs: list[Run], keys=None) -> dict[str, np.ndarray]:
     return _stack(runs, keys, [run.clients for run in runs])
 
 
-def runs_table(runs: list[Run], keys=None, at=(), targets=(), smooth=None) -> list[dict]:
+def runs_table(runs: list[Run], keys=None, at=(), targets=(), smooth=None, windows=(),
+               norm=False) -> list[dict]:
     """One row per run: path, status, config (every key, or ``keys``), then the metrics
-    of ``metrics.summary`` (accuracies as fractions, rounds_to_T None if never reached)."""
+    of ``metrics.summary`` (accuracies as fractions, rounds_to_T None if never reached;
+    window@A-B per ``windows``, final_norm with ``norm``)."""
     if keys is None:
         keys = sorted(set().union(*(flatten(run.config) for run in runs)))
     else:
         keys = check_keys(runs, keys)
     return [{"run": str(run.path), "status": run.status, **{k: run.get(k) for k in keys},
-             **metrics.summary(run, at, targets, smooth)} for run in runs]
+             **metrics.summary(run, at, targets, smooth, windows, norm)} for run in runs]
 
 
-def group_table(runs: list[Run], group_by=None, at=(), targets=(), smooth=None) -> list[dict]:
+def group_table(runs: list[Run], group_by=None, at=(), targets=(), smooth=None, windows=(),
+                norm=False) -> list[dict]:
     """Runs grouped by ``group_by`` (default ``group_keys``) and status, aggregated.
 
-    One row per group: the key values, ``status``, ``n`` (runs), then for each metric
+    One row per group: the key values, ``status``, ``n`` (runs), ``seeds`` (distinct seeds
+    among them: fewer than ``n`` where runs are replicas of one seed), then for each metric
     ``<m>_mean`` and ``<m>_std`` (sample std, ddof=1; NaN for one run) over the runs where
     it is defined, and for each target ``rounds_to_T_reached`` (runs that reached it;
     the mean and std are over those runs only), and likewise ``hours_to_T_reached`` when
@@ -97,17 +151,20 @@ def group_table(runs: list[Run], group_by=None, at=(), targets=(), smooth=None) 
     if not runs:
         return []
     keys = group_keys(runs) if not group_by else check_keys(runs, group_by, "--group-by")
-    per_run = runs_table(runs, keys, at, targets, smooth)
-    groups: dict[tuple, list[dict]] = {}
-    for row in per_run:
-        groups.setdefault(tuple(_canonical(row[k]) for k in keys) + (row["status"],), []).append(row)
-    ordered = sorted(groups.values(), key=lambda rows: _sort_key(rows[0], keys))
+    per_run = runs_table(runs, keys, at, targets, smooth, windows, norm)
+    groups: dict[tuple, list[tuple[dict, object]]] = {}
+    for run, row in zip(runs, per_run):
+        group = tuple(_canonical(row[k]) for k in keys) + (row["status"],)
+        groups.setdefault(group, []).append((row, run.get("seed")))
+    ordered = sorted(groups.values(), key=lambda members: _sort_key(members[0][0], keys))
     names = list(dict.fromkeys(k for row in per_run for k in row if k not in ("run", "status", *keys)))
-    return [_aggregate(rows, keys, names) for rows in ordered]
+    return [_aggregate([row for row, _ in members], keys, names, [seed for _, seed in members])
+            for members in ordered]
 
 
-def _aggregate(rows: list[dict], keys: list[str], names: list[str]) -> dict:
-    out = {**{k: rows[0][k] for k in keys}, "status": rows[0]["status"], "n": len(rows)}
+def _aggregate(rows: list[dict], keys: list[str], names: list[str], seeds: list) -> dict:
+    out = {**{k: rows[0][k] for k in keys}, "status": rows[0]["status"], "n": len(rows),
+           "seeds": _distinct_seeds(seeds)}
     for name in names:
         values = [r[name] for r in rows if r.get(name) is not None and math.isfinite(r[name])]
         out[f"{name}_mean"], out[f"{name}_std"] = _mean_std(values)
