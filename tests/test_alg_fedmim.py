@@ -111,9 +111,11 @@ def test_reduces_to_fedcm_with_alpha_fedcm_one_minus_alpha_1():
         np.testing.assert_allclose(mim.state["x"].numpy(), reference[t], rtol=1e-6, atol=1e-6)
 
 
-def fedcm_reference(alpha_cm, K, schedule, lr):
-    """FedCM's rule re-derived, quadratic clients, equal K and n:
-    m = -Dbar / (K lr);  w <- w - lr (alpha g + (1 - alpha) m);  x <- x + Dbar."""
+def fedcm_reference(alpha_cm, K, schedule, lr, wd=0.0, decay="matched"):
+    """FedCM's rule re-derived, quadratic clients, equal K and n: m = -Dbar / (K lr);
+    w <- w - lr (alpha g + (1 - alpha) m + c wd w), c = alpha ("matched") or 1 ("code");
+    x <- x + Dbar."""
+    c = alpha_cm if decay == "matched" else 1.0
     x, dbar, out = np.zeros(3), np.zeros(3), []
     for clients in schedule:
         m = -dbar / (K * lr)
@@ -121,7 +123,7 @@ def fedcm_reference(alpha_cm, K, schedule, lr):
         for i in clients:
             w = x.copy()
             for _ in range(K):
-                w = w - lr * (alpha_cm * (w - np.asarray(CENTERS[i])) + (1 - alpha_cm) * m)
+                w = w - lr * (alpha_cm * (w - np.asarray(CENTERS[i])) + (1 - alpha_cm) * m + c * wd * w)
             deltas.append(w - x)
         dbar = np.mean(deltas, axis=0)
         x = x + dbar

@@ -23,6 +23,7 @@ from fedmpi.runtime import run_experiment
 from conftest import fedmpi
 from harness import Simulation, quadratic_task
 from helpers import TINY, merged
+from test_alg_fedmim import CENTERS, fedcm_reference
 from test_checkpoint import assert_same_run, reference_and_crash
 
 CENTER = [2.0, -1.0, 0.5]
@@ -57,28 +58,7 @@ def test_the_code_placement_decays_ten_times_fedavgs_at_alpha_point_one():
     assert build("fedcm", {"alpha": 0.0, "decay": "code"}).effective_weight_decay(0.0) == 0.0
 
 
-CENTERS = {0: [1.0, -2.0, 0.5], 1: [-3.0, 1.0, 2.0], 2: [0.5, 4.0, -1.0]}
 SCHEDULE = [[0, 1, 2], [0, 2], [1, 2], [0, 1, 2], [0, 1]]
-
-
-def fedcm_reference(alpha, K, wd, decay, lr=0.2):
-    """FedCM re-derived in float64, quadratic clients, equal K and n:
-    m = -Dbar / (K lr); w <- w - lr (alpha g + (1 - alpha) m + c wd w), c = alpha
-    ("matched") or 1 ("code"); x <- x + Dbar."""
-    c = alpha if decay == "matched" else 1.0
-    x, dbar, out = np.zeros(3), np.zeros(3), []
-    for clients in SCHEDULE:
-        m = -dbar / (K * lr)
-        deltas = []
-        for i in clients:
-            w = x.copy()
-            for _ in range(K):
-                w = w - lr * (alpha * (w - np.asarray(CENTERS[i])) + (1 - alpha) * m + c * wd * w)
-            deltas.append(w - x)
-        dbar = np.mean(deltas, axis=0)
-        x = x + dbar
-        out.append(x.copy())
-    return out
 
 
 @pytest.mark.parametrize("decay", ["matched", "code"])
@@ -91,14 +71,14 @@ def test_fedmim_reduces_to_fedcm_with_weight_decay(decay):
     mim = Simulation(build("fedmim", {"alpha": [a, 0.0], "beta": [0.0, 0.0], "decay": decay}),
                      tasks(), x0=[0.0, 0.0, 0.0])
     cm = Simulation(build("fedcm", {"alpha": 1 - a, "decay": decay}), tasks(), x0=[0.0, 0.0, 0.0])
-    reference = fedcm_reference(1 - a, 3, wd, decay)
+    reference = fedcm_reference(1 - a, 3, SCHEDULE, 0.2, wd, decay)
     for t, clients in enumerate(SCHEDULE):
         mim.round(clients, t=t, lr=0.2, weight_decay=wd)
         cm.round(clients, t=t, lr=0.2, weight_decay=wd)
         np.testing.assert_allclose(mim.state["x"].numpy(), cm.state["x"].numpy(), rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(cm.state["x"].numpy(), reference[t], rtol=1e-5, atol=1e-6)
     # the placements differ: the other one is not this one
-    other = fedcm_reference(1 - a, 3, wd, "code" if decay == "matched" else "matched")
+    other = fedcm_reference(1 - a, 3, SCHEDULE, 0.2, wd, "code" if decay == "matched" else "matched")
     assert not np.allclose(cm.state["x"].numpy(), other[-1], rtol=1e-3, atol=1e-4)
 
 
