@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import click
 
-from fedmpi.analysis import confounds, differing_keys, group_table, pivot, render
+from fedmpi.analysis import differing_keys, group_table, pivot, render
 from fedmpi.analysis.cli import load_runs, parse_rounds, parse_smooth, parse_targets
 from fedmpi.analysis.metrics import target_name
+from fedmpi.analysis.report import confound_line
 from fedmpi.analysis.tables import check_keys
 from fedmpi.errors import UsageError, one_line_errors
 
@@ -55,8 +56,7 @@ def main(sources, row_key, setting, metric, at, target, smooth, fmt, strict):
     labels, columns, cells = pivot(rows, row_key, settings)
     metrics = [f"acc@{r}" for r in at] or [f"{metric}_acc"]
     metrics += [f"rounds_to_{target_name(t)}" for t in targets]
-    also = confounds(runs, [row_key] + settings)
-    also = f"also differ: {', '.join(also)}" if also else ""
+    also = confound_line(runs, [row_key] + settings)
     if fmt == "csv":
         click.echo(render.csv_table(_csv_rows(labels, columns, cells, row_key, settings, metrics)), nl=False)
         if also:   # the CSV stays a table a program reads
