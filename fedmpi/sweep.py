@@ -181,10 +181,13 @@ def cell_state(sweep: Sweep, cell: Cell) -> tuple[str, list[str]]:
     import json
 
     from .analysis.runs import flatten
+    from .config.since import as_started
     from .results import RunFile, liveness
 
     with RunFile(cell.output) as run:
-        status, was = liveness.seen_status(run.status, run.attrs.get("writer")), flatten(run.config)
+        config = run.config
+        as_started(config)   # a parameter newer than the file reads as what its rounds ran
+        status, was = liveness.seen_status(run.status, run.attrs.get("writer")), flatten(config)
     now = flatten(json.loads(json.dumps(sweep.config(cell).to_dict())))
     return status, [f"{key} = {toml_value(was[key])} in the file, {toml_value(now[key])} now"
                     for key in sorted(was.keys() & now.keys())

@@ -113,6 +113,32 @@ def test_a_plain_config_is_a_sweep_of_one_cell(tmp_path):
     assert sweeps.config_changes(edited, edited.cell(0)) == ["train.lr = 0.05 in the file, 0.2 now"]
 
 
+def test_a_cell_run_before_the_decay_parameter_is_another_config(tmp_path):
+    """A FedCM file from before algorithm.decay ran FL-Simulator's placement ("code"):
+    under today's default ("matched") its cell holds another config, not a completed run
+    of this one (it would have been counted done, its numbers mixed into the table)."""
+    import json
+
+    import h5py
+
+    from fedmpi.comm import LocalComm
+    from fedmpi.runtime import run_experiment
+
+    config = write_config(tmp_path / "c.toml", output=str(tmp_path / "cm.h5"), rounds=1,
+                          algorithm={"name": "fedcm"}, train={"weight_decay": 1e-3})
+    plan = sweeps.load(config)
+    run_experiment(plan.config(plan.cell(0)), LocalComm(), quiet=True)
+    assert sweeps.cell_state(plan, plan.cell(0)) == ("completed", [])
+    with h5py.File(tmp_path / "cm.h5", "r+") as f:   # as a file written before the parameter
+        values = json.loads(f.attrs["config"])
+        del values["algorithm"]["decay"]
+        f.attrs["config"] = json.dumps(values)
+    assert sweeps.config_changes(plan, plan.cell(0)) == [
+        "algorithm.decay = \"code\" in the file, \"matched\" now"]
+    pinned = sweeps.load(config, overrides=['algorithm.decay="code"'])
+    assert sweeps.config_changes(pinned, pinned.cell(0)) == []
+
+
 BAD = [
     ('config = "base.toml"\n[grid]\n"algorithm.name" = ["fedavg", "nope"]\n',
      "cell 1 (algorithm.name=nope): config field algorithm.name"),
