@@ -14,7 +14,9 @@ x_k). The decay is scaled by 1 - A with the gradient (``decay = "matched"``): th
 inertia re-applies last round's decay, and at the fixed point the effective decay is wd,
 FedAvg's, as FedCM's "matched" (``momentum``). ``decay = "code"`` decays by eta_l wd x_k
 unscaled each step, as FL-Simulator's FedCM: effective wd / (1 - A). Either way
-FedMIM(alpha = (a, 0, ...), beta = 0) is FedCM(alpha = 1 - a) with the same ``decay``. Server: x^{t+1} = x^t + eta_g (1/S) sum_i Delta_i, the plain mean of the client
+FedMIM(alpha = (a, 0, ...), beta = 0) is FedCM(alpha = 1 - a) with the same ``decay``.
+
+Server: x^{t+1} = x^t + eta_g (1/S) sum_i Delta_i, the plain mean of the client
 models at eta_g = 1. The server keeps J+1 snapshots and sends the J displacements:
 (1+J)d down, d up ("honest"); the paper counts d down ("paper"). ``traffic_count``
 picks the one the FL ledger (fl_bytes_down) carries; every round stores both as the
