@@ -286,7 +286,7 @@ def test_bernoulli_under_mpirun_is_bitwise_the_single_process_run(tmp_path):
 
 def test_reports_and_plot_titles_say_per_round_is_expected_under_bernoulli():
     from fedmpi.analysis.plot import default_title
-    from fedmpi.analysis.report import _experiment
+    from fedmpi.analysis.run_summary import _experiment
 
     def clients(**kw):
         return dict(_experiment({"clients": {"num": 100, "per_round": 10, **kw}}))["clients"]

@@ -15,8 +15,8 @@ takes as they are. docs/analysis.md has the guide; in short::
 
 Layers: ``runs`` (find and read files into ``Run``), ``metrics`` (numbers of one run),
 ``tables`` (many runs: tidy tables, groups), ``render`` (text/Markdown/CSV), ``plot``,
-``report`` (what ``fedmpi report`` prints: a run's summary, a paper-style table),
-``watch`` (follow a live file); ``fedmpi.analysis.cli`` holds the click commands.
+``run_summary`` (one run's summary) and ``report`` (a paper-style table; the two are what
+``fedmpi report`` prints), ``watch`` (follow a live file); ``fedmpi.analysis.cli`` holds the click commands.
 """
 
 from fedmpi.analysis.metrics import (

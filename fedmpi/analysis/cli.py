@@ -59,7 +59,8 @@ def report(sources, strict, group_by, smooth, at, target, window, fmt, columns, 
     with the virtual clock (system_model) also the virtual hours to each --target (H@x)
     and in all (virtual h).
     """
-    from fedmpi.analysis.report import confound_line, report_table, summarize
+    from fedmpi.analysis.report import confound_line, report_table
+    from fedmpi.analysis.run_summary import summarize
 
     runs = load_runs(sources, strict, completed_only)
     table_options = group_by or at or target or window or smooth or fmt or columns
