@@ -56,7 +56,7 @@ BAD = [
     (["eval.every=0"], "eval.every"),
     (["optimiser=adam"], "optimiser"),
     (["train.momentum=1.5"], "train.momentum"),
-    (["train.optimizer=adam"], "train.optimizer"),    # an unknown key in a fixed section
+    (["train.optimiser=adam"], "train.optimiser"),    # an unknown key in a fixed section
     (["output=runs/{nme}.h5"], "output"),
     (["seed=-1"], "seed"),
 ]

@@ -69,6 +69,9 @@ class RoundContext:
     local_schedule: str = "constant"   # constant | step | cosine over the K local steps
     local_decay: float = 1.0  # step: the factor per local epoch
     local_warmup: int = 0     # steps of linear warm-up at the start of each local update
+    optimizer: str = "sgd"    # sgd | adam (local_sgd.adam_step; moments zeroed per local update)
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
 
 
 class ClientData:
@@ -183,6 +186,11 @@ class Algorithm:
     diagnostic_fields: ClassVar[tuple[str, ...]] = ()   # names ``diagnostics`` returns
     supervised: ClassVar[bool] = True   # False: the ``SelfSupervised`` mixin
     needs_public: ClassVar[bool] = False   # True: refused at config time without data.public_size
+    # Why the method's formulas hold only for SGD local steps (SCAFFOLD's K eta_l), "" when
+    # any local optimizer serves: train.optimizer = "adam" is refused at config time with
+    # this reason (fedmpi.config.validate), for the method, its subclasses, and a method
+    # built over it (FNR-FL's base).
+    local_sgd_only: ClassVar[str] = ""
 
     def __init__(self, params: Params | None = None):
         self.params = params if params is not None else self.Params()

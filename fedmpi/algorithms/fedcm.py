@@ -31,6 +31,7 @@ from .params import Params, param
 class FedCM(FedAvg):
     name = "fedcm"
     paper = "Xu et al. 2021, arXiv:2106.10874"
+    local_sgd_only = "m = -Dbar / (K eta_l) reads the last update as K SGD steps"
 
     @dataclass(frozen=True)
     class Params(Params):

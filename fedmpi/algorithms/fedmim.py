@@ -51,6 +51,7 @@ def _float_tuple(name: str, value) -> tuple[float, ...]:
 class FedMIM(Algorithm):
     name = "fedmim"
     paper = "Liu et al. 2023, arXiv:2302.05726"
+    local_sgd_only = "its local step is its own inertial SGD step (local_sgd.sgd_step)"
     # the round's download under both counts (bytes, as fl_bytes_down), whatever
     # traffic_count sends to the ledger
     diagnostic_fields = ("fedmim_local_consistency", "fl_bytes_down_honest", "fl_bytes_down_paper")

@@ -60,6 +60,7 @@ def normalizer(tau: int, rho: float = 0.0, eta_mu: float = 0.0) -> float:
 class FedNova(Algorithm):
     name = "fednova"
     paper = "Wang et al. 2020, arXiv:2007.07481"
+    local_sgd_only = "a_i counts the update as tau_i SGD steps (plain, momentum or prox)"
     diagnostic_fields = ("tau_eff",)
 
     @dataclass(frozen=True)

@@ -10,6 +10,13 @@ per step (SAM: a second pass at a perturbed point) replaces the first part with 
 ``gradient_fn``. Weight decay sits outside the clipping, as in the authors'
 code (FL-Simulator, FedACG). No torch.optim: the step is two vector operations, and the
 first optimizer a process builds costs ~0.75 s of lazy imports (measured on a 2-core CPU).
+
+``train.optimizer = "adam"`` (``adam_step``) replaces the last part with torch.optim.Adam's
+step (single-tensor form, L2 weight decay added to the clipped gradient, torch's bias
+correction) on the same flat buffers; its two moment buffers are made once per local
+update, at zero, as an FL client that builds a new optimizer every round (FedU^2's code).
+Methods whose formulas assume SGD steps refuse it at config time
+(``Algorithm.local_sgd_only``).
 """
 
 from __future__ import annotations
@@ -75,6 +82,52 @@ def sgd_step(params: torch.Tensor, grads: torch.Tensor, lr: float, weight_decay:
         params.add_(velocity, alpha=-lr * momentum)
 
 
+class AdamMoments:
+    """Adam's state over the flat gradient, for one local update: the first and second
+    moments (zero at the start), the step count t (a host integer, so the bias
+    corrections are host floats and a GPU never waits), and a scratch buffer for the
+    denominator (no allocation per step)."""
+
+    def __init__(self, like: torch.Tensor):
+        self.exp_avg = torch.zeros_like(like)
+        self.exp_avg_sq = torch.zeros_like(like)
+        self.denom = torch.empty_like(like)
+        self.step = 0
+
+
+def adam_step(params: torch.Tensor, grads: torch.Tensor, lr: float, weight_decay: float,
+              clip_norm: float, moments: AdamMoments, betas: tuple[float, float] = (0.9, 0.999),
+              eps: float = 1e-8) -> None:
+    """torch.optim.Adam's step (amsgrad off, L2 weight decay, torch 2.x single-tensor
+    order of operations) on g = clip(grads) + wd w, the weight decay after the clipping
+    as in ``sgd_step``:
+
+        m <- m + (1 - b1)(g - m),  v <- b2 v + (1 - b2) g^2,
+        w <- w - (lr / (1 - b1^t)) m / (sqrt(v) / sqrt(1 - b2^t) + eps).
+
+    ``grads`` is overwritten with g (the next step zeroes it anyway)."""
+    if clip_norm > 0:
+        norm = torch.linalg.vector_norm(grads)
+        if grads.device.type == "cpu":
+            scale = min(1.0, clip_norm / (float(norm) + 1e-6))  # host sync: CPU only, no wait
+            if scale < 1.0:
+                grads.mul_(scale)
+        else:
+            grads.mul_(torch.clamp(clip_norm / (norm + 1e-6), max=1.0))
+    if weight_decay:
+        grads.add_(params, alpha=weight_decay)
+    beta1, beta2 = betas
+    moments.step += 1
+    t = float(moments.step)   # torch reads its step tensor as a float
+    moments.exp_avg.lerp_(grads, 1 - beta1)
+    moments.exp_avg_sq.mul_(beta2).addcmul_(grads, grads, value=1 - beta2)
+    step_size = lr / (1 - beta1 ** t)
+    bias_correction2_sqrt = (1 - beta2 ** t) ** 0.5
+    denom = torch.sqrt(moments.exp_avg_sq, out=moments.denom)
+    denom.div_(bias_correction2_sqrt).add_(eps)
+    params.addcdiv_(moments.exp_avg, denom, value=-step_size)
+
+
 def cross_entropy(module, x, y) -> torch.Tensor:
     return F.cross_entropy(module(x), y)
 
@@ -119,13 +172,18 @@ def train(task: ClientTask, ctx: RoundContext, correction: Correction | None = N
         batches = task.data.batches(ctx.local_epochs, ctx.batch_size)
     lrs = step_lrs(task, ctx)
     velocity = torch.zeros_like(flat.grads) if ctx.momentum else None
+    adam = AdamMoments(flat.grads) if ctx.optimizer == "adam" else None
     for x, y in batches:
         loss = gradient_fn(task, x, y, loss_fn)
         if correction is not None:
             correction(flat.grads, flat.params[:flat.num_params])
         lr = ctx.lr if lrs is None else lrs[min(steps, len(lrs) - 1)]
-        sgd_step(flat.params[:flat.num_params], flat.grads, lr, ctx.weight_decay,
-                 ctx.clip_norm, velocity, ctx.momentum, ctx.nesterov)
+        if adam is None:
+            sgd_step(flat.params[:flat.num_params], flat.grads, lr, ctx.weight_decay,
+                     ctx.clip_norm, velocity, ctx.momentum, ctx.nesterov)
+        else:
+            adam_step(flat.params[:flat.num_params], flat.grads, lr, ctx.weight_decay,
+                      ctx.clip_norm, adam, ctx.adam_betas, ctx.adam_eps)
         total += loss.detach()
         steps += 1
     return float(total) / max(steps, 1), steps  # host sync: once per client, its loss

@@ -44,6 +44,7 @@ def control_variate(correction: torch.Tensor):
 class Scaffold(Algorithm):
     name = "scaffold"
     paper = "Karimireddy et al. 2020, arXiv:1910.06378"
+    local_sgd_only = "c_i+ = c_i - c + (x - y) / (K eta_l) reads the update as K SGD steps"
 
     @dataclass(frozen=True)
     class Params(Params):

@@ -24,7 +24,8 @@ Sections of a TOML file (every key optional)::
     [algorithm]  name, + algorithm parameters (e.g. mu = 0.01)
     [train]      local_epochs, batch_size, lr, lr_schedule, lr_decay, lr_step, lr_min,
                  warmup_rounds, local_schedule, local_decay, local_warmup, momentum,
-                 nesterov, weight_decay, clip_norm, global_lr
+                 nesterov, optimizer (sgd | adam), adam_betas, adam_eps, weight_decay,
+                 clip_norm, global_lr
     [eval]       every, batch_size, update_stats, and for self-supervised runs the probes
                  (probes, probe_every, linear_epochs, finetune_epochs, finetune_fractions,
                  local_spectra)

@@ -96,6 +96,13 @@ class TrainConfig:
                                        # gradient plus weight decay); the buffer starts at 0 in
                                        # every local update (no algorithm keeps it across rounds)
     nesterov: bool = False             # Nesterov momentum (needs momentum > 0)
+    optimizer: str = "sgd"             # the local step: sgd (with momentum as above) | adam
+                                       # (torch.optim.Adam's step on the clipped gradient plus
+                                       # weight decay, L2 as torch's; its moments start at 0
+                                       # in every local update, as a new optimizer per round;
+                                       # the lr is eta_l of the schedules above)
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])   # adam's (beta1, beta2)
+    adam_eps: float = 1e-8             # adam's epsilon, added to the root of the second moment
     weight_decay: float = 0.0
     clip_norm: float = 10.0            # clip the local gradient to this L2 norm; 0 = off
     global_lr: float = 1.0             # eta_g

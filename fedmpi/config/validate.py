@@ -103,6 +103,7 @@ def resolve_and_validate(c: ExperimentConfig) -> None:
     if algorithms.REGISTRY[c.algorithm.name].needs_public and not c.data.public_size:
         raise field_error("data.public_size", f"algorithm {c.algorithm.name!r} needs a server-"
                           f"side public set; set it > 0 (fnrfl_fmnist uses 320)")
+    _validate_optimizer_method(c)
     _validate_client_group(c)
     _validate_system_model(c)
     _validate_compression(c)
@@ -125,9 +126,41 @@ def _validate_train(c: ExperimentConfig) -> None:
                                           f"schedule decays from lr to lr_min), got {tr.lr_min}")
     if tr.momentum >= 1:
         raise field_error("train.momentum", f"must be in [0, 1), got {tr.momentum}")
+    _one_of("train.optimizer", tr.optimizer, LOCAL_OPTIMIZERS)
+    if len(tr.adam_betas) != 2 or not all(0 <= b < 1 for b in tr.adam_betas):
+        raise field_error("train.adam_betas", f"must be two numbers in [0, 1) (beta1, beta2), "
+                                              f"got {tr.adam_betas}")
+    _positive("train.adam_eps", tr.adam_eps)
+    if tr.optimizer == "adam" and tr.nesterov:
+        raise field_error("train.nesterov", "must be false with train.optimizer = \"adam\" "
+                                            "(Adam's first moment is its momentum: train.adam_betas)")
+    if tr.optimizer == "adam" and tr.momentum:
+        raise field_error("train.momentum", f"must be 0 with train.optimizer = \"adam\" (Adam's "
+                                            f"first moment is its momentum: train.adam_betas), "
+                                            f"got {tr.momentum}")
     if tr.nesterov and not tr.momentum:
         raise field_error("train.nesterov", "needs train.momentum > 0 (Nesterov is a kind of "
                                             "momentum)")
+
+
+LOCAL_OPTIMIZERS = ("sgd", "adam")   # train.optimizer (fedmpi.algorithms.local_sgd)
+
+
+def _validate_optimizer_method(c: ExperimentConfig) -> None:
+    """``train.optimizer = "adam"`` with a method whose formulas assume SGD local steps
+    (``Algorithm.local_sgd_only``: the method, a class it extends, or a method it is
+    built over, FNR-FL's base) is refused, naming the method and why."""
+    if c.train.optimizer == "sgd":
+        return
+    from .. import algorithms
+
+    method = algorithms.build(c.algorithm.name, c.algorithm.params)
+    for alg in (method, *(v for v in vars(method).values() if isinstance(v, algorithms.Algorithm))):
+        if alg.local_sgd_only:
+            which = repr(c.algorithm.name) if alg is method else \
+                f"{c.algorithm.name!r} over {alg.name!r}"
+            raise field_error("train.optimizer", f"{c.train.optimizer!r} is not allowed with "
+                                                 f"{which}: {alg.local_sgd_only}; use \"sgd\"")
 
 
 GROUP_MAX = 4096   # clients in one lock-step group; each holds a model copy in memory
@@ -158,6 +191,10 @@ def group_refusal(c: ExperimentConfig) -> str | None:
     if c.system_model.policy in ASYNC_MODES:
         return (f"system_model.policy {c.system_model.policy!r} trains each client on its own "
                 f"model version; set 1 (one client after another)")
+    if c.train.optimizer != "sgd":
+        return (f"train.optimizer {c.train.optimizer!r} has no group form (a client group "
+                f"takes SGD steps, fedmpi.algorithms.group_sgd); set 1 (one client after "
+                f"another)")
     if not algorithms.REGISTRY[c.algorithm.name].trains_in_groups():
         able = sorted(n for n, cls in algorithms.REGISTRY.items() if cls.trains_in_groups())
         return (f"algorithm {c.algorithm.name!r} has no group form of its local update yet; "

@@ -357,7 +357,8 @@ def round_context(config, t, phase, participants) -> algorithms.RoundContext:
         batch_size=tr.batch_size, num_clients=config.clients.num,
         participants=tuple(int(c) for c in participants), seed=config.seed,
         momentum=tr.momentum, nesterov=tr.nesterov, local_schedule=tr.local_schedule,
-        local_decay=tr.local_decay, local_warmup=tr.local_warmup)
+        local_decay=tr.local_decay, local_warmup=tr.local_warmup, optimizer=tr.optimizer,
+        adam_betas=(float(tr.adam_betas[0]), float(tr.adam_betas[1])), adam_eps=tr.adam_eps)
 
 
 class Contributions:
