@@ -92,6 +92,11 @@ class ClientData:
     def num_steps(self, epochs: int, batch_size: int) -> int:
         return epochs * -(-self.num_samples // batch_size)
 
+    def label_counts(self, num_classes: int) -> torch.Tensor:
+        """How many of the client's samples carry each label, int64 [num_classes] on the
+        device of its batches (FedLC's calibration, fedmpi.algorithms.fedlc)."""
+        raise NotImplementedError
+
     @classmethod
     def group_batches(cls, clients: list["ClientData"], epochs: int, batch_size: int
                       ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
@@ -214,6 +219,13 @@ class Algorithm:
         """Per-client values ``gather`` returns in ``phase``; None: in any phase (the
         union, a key missing from ``gather`` in a phase is NaN there)."""
         return {}
+
+    def recorded_gather(self, d: int) -> dict[str, int]:
+        """The gathered values the results file keeps, one /clients column per value: all
+        of ``gather_sizes`` by default. A method that gathers large vectors only for the
+        server's use (Orchestra's m x p local centroids) leaves them out, so a client row
+        stays a few columns wide; the server still receives them."""
+        return self.gather_sizes(d)
 
     def contribution_sizes(self, d: int, phase: str | None = None) -> dict[str, int]:
         """Vectors ``contribution`` returns in ``phase``, summed over the clients; None: in

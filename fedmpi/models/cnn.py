@@ -67,3 +67,13 @@ class CNN(Classifier):
         if type(self).forward is not Classifier.forward or type(self).features is not CNN.features:
             return None
         return list(self.body) + [self.classifier]
+
+    def blocks(self) -> list[nn.Module] | None:
+        """``features`` as three blocks (``Classifier.blocks``): conv block 1 (conv, ReLU,
+        max-pool), conv block 2 (the same) and the flatten + hidden linear + ReLU; None for
+        a subclass whose ``features`` is not the body."""
+        if type(self).features is not CNN.features:
+            return None
+        layers = list(self.body)
+        return [nn.Sequential(*layers[0:3]), nn.Sequential(*layers[3:6]),
+                nn.Sequential(*layers[6:])]

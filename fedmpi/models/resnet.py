@@ -88,3 +88,13 @@ class ResNet18(Classifier):
         """Penultimate representation [B, 512] (global average pool output)."""
         x = self.layer2(self.layer1(self.stem(x)))
         return self.pool(self.layer4(self.layer3(x)))
+
+    def blocks(self) -> list[nn.Module] | None:
+        """``features`` as five blocks (``Classifier.blocks``), FedMLB's levels for
+        ResNet-18 [code: jinkyu032/FedMLB models/resnet_FedMLB.py]: the stem, layer1,
+        layer2, layer3, and layer4 with the global average pool and flatten; None for a
+        subclass whose ``features`` is not that chain."""
+        if type(self).features is not ResNet18.features:
+            return None
+        return [self.stem, self.layer1, self.layer2, self.layer3,
+                nn.Sequential(self.layer4, self.pool)]

@@ -63,3 +63,18 @@ class VGG11(Classifier):
     def features(self, x: torch.Tensor) -> torch.Tensor:
         """Penultimate representation [B, 512], the input of `classifier`."""
         return self.head(self.convs(x))
+
+    def blocks(self) -> list[nn.Module] | None:
+        """``features`` as six blocks (``Classifier.blocks``): the five stages of the conv
+        stack, each ending at its max-pool (64 | 128 | 256-256 | 512-512 | 512-512, with
+        their GroupNorms and ReLUs), then the head (pool, flatten, the two hidden linears
+        with their dropout); None for a subclass whose ``features`` is not that chain."""
+        if type(self).features is not VGG11.features:
+            return None
+        stages, stage = [], []
+        for layer in self.convs:
+            stage.append(layer)
+            if isinstance(layer, nn.MaxPool2d):
+                stages.append(nn.Sequential(*stage))
+                stage = []
+        return stages + [self.head]

@@ -81,6 +81,20 @@ class TensorClientData(ClientData):
         self.indices = torch.as_tensor(indices, dtype=torch.int64)
         self.num_samples = len(indices)
         self.seed, self.key = seed, key
+        self._label_counts = None
+
+    def label_counts(self, num_classes: int) -> torch.Tensor:
+        """``ClientData.label_counts``: computed once per client object, on the device, by
+        comparing the labels with each class, 2^16 samples at a time (no ``bincount``, which
+        reads the labels' max back to the host on a GPU; no atomics, so deterministic)."""
+        if self._label_counts is None or len(self._label_counts) != num_classes:
+            y = self.y[self.indices.to(self.y.device)]
+            classes = torch.arange(num_classes, device=y.device)
+            counts = torch.zeros(num_classes, dtype=torch.int64, device=y.device)
+            for start in range(0, len(y), 1 << 16):
+                counts += (y[start:start + (1 << 16)].unsqueeze(1) == classes).sum(0)
+            self._label_counts = counts
+        return self._label_counts
 
     def batches(self, epochs: int, batch_size: int):
         for batch, aug in self._index_batches(epochs, batch_size):

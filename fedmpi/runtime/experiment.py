@@ -49,7 +49,7 @@ from .observers.preemption import EXIT_PREEMPTED, PREEMPTED
 from .phase import Contributions, Phases, StopRun, round_context, sum_in_client_order
 from .plan import GROUP_MEMORY_CPU, group_size, sample_clients
 from .records import (CLIENT_FIELDS, RANK_FIELDS, ROUND_FIELDS, Timers, Traffic, client_columns,
-                      gather_ranks, rank_columns, round_row, start_row)
+                      gather_ranks, rank_columns, round_row, start_row, unrecorded)
 from .rng import key_seed, seed_global
 from .runfile import create_file, resume_file
 from .scoring import evaluate
@@ -348,7 +348,7 @@ class Experiment:
         self.writer.append_ranks(rank_columns(round_, ranks))
         for gathered in rows:
             self.writer.append_clients({"round": np.full(len(gathered["client"]), round_),
-                                        **client_columns(gathered)})
+                                        **client_columns(gathered, unrecorded(self.alg, self.d))})
         self.writer.flush()
         self._notify("after_round", RoundRecord(round_, row, ranks))
 

@@ -118,15 +118,23 @@ def start_row(wall, timers: Timers, ranks, acc, test_loss) -> dict:
 
 def client_fields(alg, d: int) -> list[str]:
     fields = []
-    for name, size in alg.gather_sizes(d).items():
+    for name, size in alg.recorded_gather(d).items():
         fields += [name] if size == 1 else [f"{name}_{i}" for i in range(size)]
     return CLIENT_FIELDS + fields
 
 
-def client_columns(gathered) -> dict[str, np.ndarray]:
-    """Per-client columns; a gathered vector of size k becomes columns name_0..name_k-1."""
+def unrecorded(alg, d: int) -> frozenset[str]:
+    """The algorithm's gathered values left out of /clients (``Algorithm.recorded_gather``)."""
+    return frozenset(alg.gather_sizes(d)) - frozenset(alg.recorded_gather(d))
+
+
+def client_columns(gathered, skip=()) -> dict[str, np.ndarray]:
+    """Per-client columns; a gathered vector of size k becomes columns name_0..name_k-1.
+    ``skip``: gathered names the file does not keep (``unrecorded``)."""
     out = {}
     for name, values in gathered.items():
+        if name in skip:
+            continue
         if values.ndim == 1:
             out[name] = values
         else:
