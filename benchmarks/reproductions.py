@@ -8,7 +8,8 @@ the cells can go to a SLURM array instead (`fedmpi sweep FILE --count`). The tab
 (as FedACG reports), and the rounds the EMA curve takes to reach each target; then the
 raw accuracy's mean over the last 40% of the rounds and the final model's norm.
 
-    python benchmarks/reproductions.py run fedacg                  # 18 cells, 500 rounds
+    python benchmarks/reproductions.py run fedacg                  # 72 cells, 500 rounds
+    python benchmarks/reproductions.py run fedacg --only feddc,fedlc --jobs 2 --threads 1
     python benchmarks/reproductions.py run fedmrur --rounds 150 --seeds 0
     python benchmarks/reproductions.py table fedacg fedmrur fedmim fnrfl
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from fedmpi import sweep
@@ -39,20 +41,37 @@ def outdir(rounds: int) -> str:
     return f"runs/reproductions-R{rounds}"
 
 
-def run(paper: str, rounds: int, seeds: list[int] | None, ranks: int, threads: int) -> None:
+def run(paper: str, rounds: int, seeds: list[int] | None, ranks: int, threads: int,
+        only: list[str] | None = None, jobs: int = 1) -> None:
+    """Every cell of the sweep (or those of ``seeds`` and the algorithms ``only``), ``jobs``
+    at a time; a cell whose run completed before is skipped by its own resume."""
     path = HERE / f"{paper}.toml"
     overrides = ["--set", f"rounds={rounds}", "--set", f"system.threads={threads}",
                  "--outdir", outdir(rounds)]
     cells = sweep.load(path, outdir=outdir(rounds), overrides=[f"rounds={rounds}"]).cells
+    commands = []
     for cell in cells:
-        if seeds is not None and dict(cell.values)["seed"] not in seeds:
+        values = dict(cell.values)
+        if seeds is not None and values["seed"] not in seeds:
             continue
-        print(f"{paper} cell {cell.index}: {cell.name}", flush=True)
+        algorithm = values.get("algorithm", {}).get("name") if isinstance(values.get("algorithm"), dict) \
+            else values.get("algorithm.name")
+        if only is not None and algorithm not in only:
+            continue
         cmd = fedmpi("sweep", str(path), "--run-cell", str(cell.index), "-q", *overrides)
         if ranks > 1:
             cmd = [str(Path(sys.executable).parent / "mpirun"), "-n", str(ranks),
                    "--oversubscribe", *cmd]
-        subprocess.run(cmd, check=True)
+        commands.append((f"{paper} cell {cell.index}: {cell.name}", cmd))
+    with ThreadPoolExecutor(max(jobs, 1)) as pool:
+        for done in pool.map(_run_one, commands):
+            print(done, flush=True)
+
+
+def _run_one(item) -> str:
+    label, cmd = item
+    subprocess.run(cmd, check=True)
+    return f"done {label}"
 
 
 def table(paper: str, rounds: int) -> None:
@@ -78,10 +97,13 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="*", default=None, help="only these seeds")
     ap.add_argument("--ranks", type=int, default=1, help="run each cell under mpirun -n RANKS")
     ap.add_argument("--threads", type=int, default=0, help="system.threads of every cell")
+    ap.add_argument("--only", help="only the cells of these algorithm names, comma-separated")
+    ap.add_argument("--jobs", type=int, default=1, help="cells run at once")
     args = ap.parse_args()
     for paper in args.papers:
         if args.action == "run":
-            run(paper, args.rounds, args.seeds, args.ranks, args.threads)
+            only = args.only.split(",") if args.only else None
+            run(paper, args.rounds, args.seeds, args.ranks, args.threads, only, args.jobs)
         else:
             table(paper, args.rounds)
 

@@ -122,3 +122,28 @@ def test_two_configurations_one_paper_name_are_told_apart():
     keys = ["algorithm.name", "algorithm.backbone", "algorithm.fur", "algorithm.aggregator"]
     assert papers._labels(layout, grouped, keys) == [
         "FedU2-BYOL (fur=paper)", "FedU2-BYOL (fur=code)", "FedU2-FUR-BYOL"]
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "benchmarks" / "reproductions").glob("*.toml")),
+                         ids=lambda p: p.stem)
+def test_every_reproduction_sweep_resolves_every_cell(path):
+    """A sweep file per paper: each cell a valid config (``sweep.load`` resolves them all)."""
+    from fedmpi import sweep
+
+    cells = sweep.load(path, outdir=str(ROOT / "runs")).cells
+    assert cells and len({c.name for c in cells}) == len(cells)
+
+
+def test_the_fedu2_sweep_runs_every_method_of_its_tables():
+    """benchmarks/reproductions/fedu2.toml: every row of FedU^2's Tables 1-2, one setup."""
+    from fedmpi import sweep
+
+    cells = sweep.load(ROOT / "benchmarks/reproductions/fedu2.toml", outdir=str(ROOT / "runs")).cells
+    layout = papers.layout("fedu2")
+    labels = {layout.label({f"algorithm.{k}": v for k, v in dict(c.values)["algorithm"].items()})
+              for c in cells}
+    for algorithm in {tuple(sorted(dict(c.values)["algorithm"].items())) for c in cells}:
+        params = dict(algorithm)
+        assert params["proj_dim"] == 128 and params["proj_hidden"] == 512, params
+    assert labels == {method for b in BLOCKS if b.paper == "fedu2" for method in b.rows}
+    assert {dict(c.values)["seed"] for c in cells} == {0, 1, 2}

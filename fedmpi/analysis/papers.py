@@ -42,7 +42,8 @@ class Layout:
         """The paper's name of the method a group row's ``method_keys`` values make."""
         name = values.get("algorithm.name")
         if name in ON_BACKBONE:
-            backbone = BACKBONES.get(values.get("algorithm.backbone"), str(values.get("algorithm.backbone")))
+            backbone = values.get("algorithm.backbone") or _default(name, "backbone")
+            backbone = BACKBONES.get(backbone, str(backbone))
             base = ON_BACKBONE[name]
             if name == "fedu2" and values.get("algorithm.fur") == "none":
                 base += "-FUR"      # the paper's "FedU^2-FUR": without FUR, EUA only
@@ -77,6 +78,13 @@ LAYOUTS = {layout.name: layout for layout in (
            ("final_acc", "linear_acc", "finetune_1pct_acc", "finetune_10pct_acc"),
            method_keys=("algorithm.name", "algorithm.backbone", "algorithm.fur", "algorithm.aggregator")),
 )}
+
+
+def _default(algorithm: str, param: str):
+    """A parameter's default (a config that does not name it runs it)."""
+    from fedmpi.algorithms import REGISTRY
+
+    return getattr(REGISTRY[algorithm].Params(), param, None) if algorithm in REGISTRY else None
 
 
 def layout(name: str) -> Layout:
