@@ -23,7 +23,7 @@ import torch
 from .base import Algorithm, Upload, register
 from .byol import BYOLParams, byol_train, predictor_size, target_model
 from .mixins import SelfSupervised
-from .ssl_losses import byol_head
+from .ssl_losses import byol_head, simclr_head, simsiam_head
 
 
 @register
@@ -84,3 +84,39 @@ class FedBYOL(SelfSupervised, Algorithm):
                                  f"{self.target_size(flat.size)} (d - predictor)")
             self._target = (flat, target)
         return self._target[1]
+
+
+class OnBackbone(FedBYOL):
+    """A method over a BYOL, SimCLR or SimSiam client (``params.backbone``; FedU^2,
+    FedDecorr-SSL, L-DAWA): with "byol" FedBYOL's client (local target, EMA, its state),
+    otherwise ``train_on_views`` on SimCLR's (``params.temperature``) or SimSiam's loss;
+    ``regularised`` adds the method's own term to whichever loss it is."""
+
+    @property
+    def _byol(self) -> bool:
+        return self.params.backbone == "byol"
+
+    def predictor(self):
+        return self.params.backbone != "simclr"
+
+    def client_state_sizes(self, d):
+        return super().client_state_sizes(d) if self._byol else {}
+
+    def regularised(self, head):
+        """The client loss ``head`` with the method's own term (none here)."""
+        return head
+
+    def loss_head(self, target_module):
+        return self.regularised(byol_head(target_module))
+
+    def backbone_update(self, task, payload, client_state, ctx) -> Upload:
+        """The backbone's local update with ``regularised``'s loss."""
+        if self._byol:
+            return FedBYOL.local_update(self, task, payload, client_state, ctx)
+        head = simclr_head(self.params.temperature) if self.params.backbone == "simclr" \
+            else simsiam_head
+        return self.train_on_views(task, payload["x"], ctx, self.regularised(head))
+
+    def local_update(self, task, payload, client_state, ctx):
+        return self.backbone_update(task, payload, client_state, ctx)
+

@@ -38,9 +38,9 @@ from dataclasses import dataclass
 from .base import register
 from .byol import BYOLParams
 from .feddecorr import NORMALISATIONS, decorrelation
-from .fedbyol import FedBYOL
+from .fedbyol import OnBackbone
 from .params import param
-from .ssl_losses import byol_head, halves, simclr_head, simsiam_head
+from .ssl_losses import halves
 
 BACKBONES = ("byol", "simclr", "simsiam")
 
@@ -67,30 +67,10 @@ def with_decorrelation(head, beta: float, normalisation: str):
 
 
 @register
-class FedDecorrSSL(FedBYOL):
+class FedDecorrSSL(OnBackbone):
     name = "feddecorr_ssl"
     paper = "Shi et al. 2023, arXiv:2210.00226 (self-supervised: Liao et al. 2024)"
     Params = FedDecorrSSLParams
 
-    @property
-    def _byol(self) -> bool:
-        return self.params.backbone == "byol"
-
-    def predictor(self):
-        return self.params.backbone != "simclr"
-
-    def client_state_sizes(self, d):
-        return super().client_state_sizes(d) if self._byol else {}
-
-    def _regularised(self, head):
+    def regularised(self, head):
         return with_decorrelation(head, self.params.beta, self.params.normalisation)
-
-    def loss_head(self, target_module):
-        return self._regularised(byol_head(target_module))
-
-    def local_update(self, task, payload, client_state, ctx):
-        if self._byol:
-            return super().local_update(task, payload, client_state, ctx)
-        head = simclr_head(self.params.temperature) if self.params.backbone == "simclr" \
-            else simsiam_head
-        return self.train_on_views(task, payload["x"], ctx, self._regularised(head))

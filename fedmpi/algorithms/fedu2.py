@@ -50,11 +50,11 @@ import torch.nn.functional as F
 from . import eua
 from .base import register
 from .byol import BYOLParams
-from .fedbyol import FedBYOL
+from .fedbyol import OnBackbone
 from .fur import STEPS, tangent_sw_uniformity, uot_uniformity
 from .mixins import GramAggregation
 from .params import param
-from .ssl_losses import byol_head, halves, simclr_head, simsiam_head
+from .ssl_losses import halves
 
 BACKBONES = ("byol", "simclr", "simsiam")
 FUR_VARIANTS = ("paper", "code", "none")
@@ -117,7 +117,7 @@ def with_uniformity(head, params: FedU2Params):
 
 
 @register
-class FedU2(GramAggregation, FedBYOL):
+class FedU2(GramAggregation, OnBackbone):
     name = "fedu2"
     paper = "Liao et al. 2024, arXiv:2403.16398"
     Params = FedU2Params
@@ -128,26 +128,9 @@ class FedU2(GramAggregation, FedBYOL):
         super().__init__(params)
         self._weights = None   # server: p* of the last EUA step, for ``diagnostics``
 
-    @property
-    def _byol(self) -> bool:
-        return self.params.backbone == "byol"
-
-    def predictor(self):
-        return self.params.backbone != "simclr"
-
-    def client_state_sizes(self, d):
-        return super().client_state_sizes(d) if self._byol else {}
-
     # ---- client ----
-    def loss_head(self, target_module):
-        return with_uniformity(byol_head(target_module), self.params)
-
-    def local_update(self, task, payload, client_state, ctx):
-        if self._byol:
-            return super().local_update(task, payload, client_state, ctx)
-        head = simclr_head(self.params.temperature) if self.params.backbone == "simclr" \
-            else simsiam_head
-        return self.train_on_views(task, payload["x"], ctx, with_uniformity(head, self.params))
+    def regularised(self, head):
+        return with_uniformity(head, self.params)
 
     # ---- server ----
     def gram_weighted(self, phase):

@@ -64,9 +64,8 @@ import torch
 
 from .base import register
 from .byol import BYOLParams
-from .fedbyol import FedBYOL
+from .fedbyol import OnBackbone
 from .params import param
-from .ssl_losses import simclr_head, simsiam_head
 
 BACKBONES = ("simsiam", "simclr", "byol")
 WEIGHTINGS = ("uniform", "samples")
@@ -107,7 +106,7 @@ def layer_table(rows, granularity: str):
 
 
 @register
-class LDAWA(FedBYOL):
+class LDAWA(OnBackbone):
     name = "ldawa"
     paper = "Rehman et al. 2023, arXiv:2307.07393"
     Params = LDAWAParams
@@ -118,16 +117,6 @@ class LDAWA(FedBYOL):
         self._rows = None    # [(name, shape)] of the flat layout, from build_model
         self._table = None   # layer_table(self._rows): sizes, group, angular
         self._device_table = {}   # device -> (group, angular, sizes, each layer's slots)
-
-    @property
-    def _byol(self) -> bool:
-        return self.params.backbone == "byol"
-
-    def predictor(self):
-        return self.params.backbone != "simclr"
-
-    def client_state_sizes(self, d):
-        return super().client_state_sizes(d) if self._byol else {}
 
     # ---- the layout ----
     def build_model(self, build, name, in_channels, num_classes, image_size, options):
@@ -174,15 +163,9 @@ class LDAWA(FedBYOL):
             self.use_layout(rows)
         elif rows != self._rows:
             raise ValueError("ldawa: the worker's flat layout differs from the one build_model saw")
-        x = payload["x"]
-        if self._byol:
-            upload = super().local_update(task, payload, client_state, ctx)
-        else:
-            head = simclr_head(self.params.temperature) if self.params.backbone == "simclr" \
-                else simsiam_head
-            upload = self.train_on_views(task, x, ctx, head)
+        upload = self.backbone_update(task, payload, client_state, ctx)
         if ctx.round >= self.params.warmup_rounds:
-            upload.extras["ldawa_x"] = x   # x^t for the cosines (a reference; never sent)
+            upload.extras["ldawa_x"] = payload["x"]   # x^t for the cosines (a reference; never sent)
         return upload
 
     def layer_cosines(self, theta: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
