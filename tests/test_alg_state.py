@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from fedmpi.algorithms import REGISTRY, build, message_sizes
 from fedmpi.algorithms.base import ClientData, ClientTask
 from fedmpi.algorithms.fednova import normalizer
-from fedmpi.algorithms.moon import frozen_copy, model_contrastive
+from fedmpi.algorithms.local_sgd import frozen_copy
+from fedmpi.algorithms.moon import model_contrastive
 from fedmpi.errors import UsageError
 from fedmpi.flat import FlatModel
 from fedmpi.models import build_model, check_options

@@ -54,11 +54,10 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UsageError
-from ..flat import FlatModel
 from . import local_sgd
 from .base import Upload, register
 from .fedavg import FedAvg
-from .local_sgd import frozen_copy
+from .local_sgd import FrozenCopies
 from .params import Params, param
 
 
@@ -141,7 +140,7 @@ class FedMLB(FedAvg):
 
     def __init__(self, params=None):
         super().__init__(params)
-        self._frozen = None   # (the worker's flat model, its frozen global copy)
+        self._frozen = FrozenCopies()   # the worker's frozen global model
 
     def check_model(self, model_options):
         names = _candidates(model_options)
@@ -157,7 +156,7 @@ class FedMLB(FedAvg):
         p = self.params
         glob = glob_blocks = None
         if p.lambda1 or p.lambda2:
-            glob = self._frozen_global(task.model)
+            glob, = self._frozen.of(task.model)
             glob.load(x)
             glob_blocks = glob.module.blocks()
         task.model.load(x)
@@ -166,9 +165,3 @@ class FedMLB(FedAvg):
         loss, steps = local_sgd.train(task, ctx, loss_fn=loss_fn)
         w = task.model.params
         return Upload(delta=w - x, num_samples=task.data.num_samples, loss=loss, steps=steps)
-
-    def _frozen_global(self, flat: FlatModel) -> FlatModel:
-        """Built once per worker model: a deep copy keeps the NHWC storage order of ``flat``."""
-        if self._frozen is None or self._frozen[0] is not flat:
-            self._frozen = (flat, frozen_copy(flat))
-        return self._frozen[1]

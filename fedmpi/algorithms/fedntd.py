@@ -34,11 +34,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..flat import FlatModel
 from . import local_sgd
 from .base import register
 from .fedavg import FedAvg
-from .local_sgd import frozen_copy
+from .local_sgd import FrozenCopies
 from .params import Params, param
 
 
@@ -84,19 +83,13 @@ class FedNTD(FedAvg):
 
     def __init__(self, params=None):
         super().__init__(params)
-        self._frozen = None   # (the worker's flat model, its frozen global copy)
+        self._frozen = FrozenCopies()   # the worker's frozen global model
 
     def local_update(self, task, payload, client_state, ctx):
         x, p = payload["x"], self.params
         if p.beta == 0:
             return local_sgd.local_update(task, x, ctx)
-        glob = self._global_model(task.model)
+        glob = self._frozen.of(task.model)[0]
         glob.load(x)
         loss_fn = ntd_objective(glob.module, p.beta, p.tau)
         return local_sgd.local_update(task, x, ctx, loss_fn=loss_fn)
-
-    def _global_model(self, flat: FlatModel) -> FlatModel:
-        """Built once per worker model (the NHWC storage order of ``flat`` kept)."""
-        if self._frozen is None or self._frozen[0] is not flat:
-            self._frozen = (flat, frozen_copy(flat))
-        return self._frozen[1]

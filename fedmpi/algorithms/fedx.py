@@ -90,11 +90,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..flat import FlatModel
 from .base import ClientData, register
 from .byol import BYOLParams
 from .fedbyol import FedBYOL
-from .local_sgd import frozen_copy
+from .local_sgd import FrozenCopies
 from .params import param
 from .ssl_losses import byol_loss, halves, nt_xent
 
@@ -221,7 +220,7 @@ class FedX(FedBYOL):
 
     def __init__(self, params=None):
         super().__init__(params)
-        self._frozen = None   # (the worker's flat model, its frozen copy: the global model)
+        self._frozen = FrozenCopies()   # the worker's frozen global model
         self._inputs = (None, None)   # this local update's global module and Anchored data
 
     @property
@@ -252,7 +251,7 @@ class FedX(FedBYOL):
         x = payload["x"]
         glob = anchored = None
         if self._global_terms:
-            glob = self._frozen_model(task.model)
+            glob, = self._frozen.of(task.model)
             glob.load(x)
             glob = glob.module
         if self._anchors:
@@ -265,9 +264,3 @@ class FedX(FedBYOL):
             return self.train_on_views(task, x, ctx, fedx_head(self.params, None, glob, anchored))
         finally:
             self._inputs = (None, None)
-
-    def _frozen_model(self, flat: FlatModel) -> FlatModel:
-        """Built once per worker model (keeps the NHWC storage order of ``flat``)."""
-        if self._frozen is None or self._frozen[0] is not flat:
-            self._frozen = (flat, frozen_copy(flat))
-        return self._frozen[1]

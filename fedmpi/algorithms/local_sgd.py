@@ -217,3 +217,19 @@ def frozen_copy(flat: FlatModel) -> FlatModel:
                      channels_last=flat.channels_last)
     twin.module.eval().requires_grad_(False)
     return twin
+
+
+class FrozenCopies:
+    """``count`` frozen copies of a worker's flat model (``frozen_copy``), made on first use
+    and again only for another flat model: the fixed reference models a client loss reads
+    (MOON's global and previous models, the global model of FedNTD, FedMLB and FedX)."""
+
+    def __init__(self, count: int = 1):
+        self.count = count
+        self._flat, self._copies = None, ()
+
+    def of(self, flat: FlatModel) -> tuple[FlatModel, ...]:
+        if self._flat is not flat:
+            self._flat, self._copies = flat, tuple(frozen_copy(flat) for _ in range(self.count))
+        return self._copies
+

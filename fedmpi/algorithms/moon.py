@@ -28,11 +28,10 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UsageError
-from ..flat import FlatModel
 from . import local_sgd
 from .base import Upload, register
 from .fedavg import FedAvg
-from .local_sgd import frozen_copy
+from .local_sgd import FrozenCopies
 from .params import Params, param
 
 FIRST_PARTICIPATION = ("skip",)
@@ -76,7 +75,7 @@ class Moon(FedAvg):
 
     def __init__(self, params=None):
         super().__init__(params)
-        self._frozen = None   # (the worker's flat model, global copy, previous copy)
+        self._frozen = FrozenCopies(2)   # the worker's global and previous models
 
     def client_state_sizes(self, d):
         return {"prev_model": d, "has_prev": 1}
@@ -88,7 +87,7 @@ class Moon(FedAvg):
     def local_update(self, task, payload, client_state, ctx):
         if getattr(task.model.module, "projector", None) is None:
             raise UsageError(_NO_HEAD)
-        glob, prev = self._frozen_models(task.model)
+        glob, prev = self._frozen.of(task.model)
         x = payload["x"]
         glob.load(x)
         has_prev = bool(client_state["has_prev"].item())  # host sync: once per client
@@ -108,9 +107,3 @@ class Moon(FedAvg):
         new, change = super().refined_upload(upload, x, w, w_new, steps, ctx)
         new.state = {**upload.state, "prev_model": w_new.clone()}
         return new, change
-
-    def _frozen_models(self, flat: FlatModel) -> tuple[FlatModel, FlatModel]:
-        """Built once per worker model: deep copies keep the NHWC storage order of ``flat``."""
-        if self._frozen is None or self._frozen[0] is not flat:
-            self._frozen = (flat, frozen_copy(flat), frozen_copy(flat))
-        return self._frozen[1], self._frozen[2]
