@@ -113,3 +113,20 @@ def test_orchestra_gathers_its_centroids_without_writing_them_to_the_file(single
         assert {"client", "round", "bytes_up"} <= columns
     fednova = REGISTRY["fednova"]()
     assert fednova.recorded_gather(10) == fednova.gather_sizes(10)   # the default keeps all
+
+
+@pytest.mark.parametrize("name", ["feddc", "fedx_byol", "orchestra", "ldawa"])
+def test_a_crash_and_resume_is_bitwise_the_uninterrupted_run(tmp_path, name):
+    """Client state (FedDC's h_i and c_i, FedX-BYOL's targets) and server state (FedDC's c
+    and mean drift, Orchestra's centroids and target) come back from the checkpoint: 4
+    rounds, checkpoints every 2, died after round 4 was flushed, resumed from round 2."""
+    from helpers import run_and_resume
+
+    values = merged(CASES[name], rounds=4, system={"checkpoint_every": 2})
+    crashed, exp = run_and_resume(values, tmp_path)
+    assert exp.start == 2
+    with RunFile(tmp_path / "ref.h5") as a, RunFile(crashed) as b:
+        assert b.status == "completed"
+        assert np.array_equal(a.model(), b.model())
+        for column in ("train_loss", "test_acc"):
+            assert np.array_equal(a.rounds()[column], b.rounds()[column], equal_nan=True)
