@@ -29,30 +29,22 @@ naming the file and the array; none of it runs code from the file (no pickles).
 
 from __future__ import annotations
 
-import hashlib
-import zipfile
-import zlib
 from pathlib import Path
 from typing import Mapping
 
 import numpy as np
 import torch
 
+from fedmpi.data.array_files import SUFFIXES, _fail, _missing, read_arrays, sha256, x_train_header
 from fedmpi.data.registry import MAX_CLASSES, MODALITIES, check_arrays, register
 from fedmpi.data.sources import Dataset, _tensor, channel_stats
 from fedmpi.errors import UsageError
 
 REQUIRED = ("x_train", "y_train", "x_test", "y_test")
 OPTIONAL = ("groups", "group_names", "num_classes", "vocab_size")
-SUFFIXES = {".npz": "npz", ".h5": "hdf5", ".hdf5": "hdf5"}
 LAYOUTS = ("auto", "nchw", "nhwc")
 HINT = ("your own .npz or HDF5 file: data.path = FILE with x_train, y_train, x_test, y_test "
         "(docs/datasets.md)")
-_ZIP_MAGIC, _HDF5_MAGIC = b"PK", b"\x89HDF\r\n\x1a\n"
-
-
-def _fail(where, message):
-    raise UsageError(f"{where}: {message}")
 
 
 # --- config-time: the file and the modality, from the header ------------------------------
@@ -85,67 +77,6 @@ def _choice(field: str, value, allowed) -> str:
         raise UsageError(f"config field data.{field}: {value!r} is not allowed; choose one of "
                          f"{', '.join(allowed)}")
     return value
-
-
-def _open_check(file: Path) -> str:
-    """The file's format, after reading its first bytes: readable, and what it claims."""
-    kind = SUFFIXES[file.suffix.lower()]
-    try:
-        with open(file, "rb") as f:
-            head = f.read(8)
-    except OSError as err:
-        _fail(file, f"cannot be read ({err.strerror or err})")
-    if kind == "npz" and not zipfile.is_zipfile(file):
-        _fail(file, "not an .npz file (not a zip archive of .npy arrays, as numpy.savez writes)")
-    if kind == "hdf5" and head != _HDF5_MAGIC:
-        import h5py
-        if not h5py.is_hdf5(file):  # also HDF5 behind a user block
-            _fail(file, "not an HDF5 file (no HDF5 signature)")
-    return kind
-
-
-def _x_train_header(file: Path) -> tuple[tuple[int, ...], np.dtype]:
-    """Shape and dtype of x_train without reading the array."""
-    if _open_check(file) == "npz":
-        try:
-            with zipfile.ZipFile(file) as archive:
-                names = archive.namelist()
-                if "x_train.npy" not in names:
-                    _missing(file, "x_train", [n.removesuffix(".npy") for n in names])
-                with archive.open("x_train.npy") as f:
-                    version = np.lib.format.read_magic(f)
-                    read = (np.lib.format.read_array_header_1_0 if version == (1, 0)
-                            else np.lib.format.read_array_header_2_0)
-                    shape, _, dtype = read(f)
-        except UsageError:
-            raise
-        except (zipfile.BadZipFile, OSError, EOFError, ValueError, zlib.error) as err:
-            _fail(file, f"array 'x_train' cannot be read ({_one_line(err)})")
-        return tuple(shape), np.dtype(dtype)
-    import h5py
-
-    from fedmpi import hdf5
-    try:
-        with hdf5.File(file, "r") as f:
-            if "x_train" not in f:
-                _missing(file, "x_train", list(f))
-            node = f["x_train"]
-            if not isinstance(node, h5py.Dataset):
-                _fail(file, "'x_train' is an HDF5 group; the arrays are datasets at the top level")
-            return tuple(node.shape), node.dtype
-    except UsageError:
-        raise
-    except (OSError, KeyError, RuntimeError, ValueError) as err:
-        _fail(file, f"not a readable HDF5 file ({_one_line(err)})")
-
-
-def _missing(where, key, present) -> None:
-    _fail(where, f"no array {key!r}; the file must hold x_train, y_train, x_test, y_test "
-                 f"(it holds: {', '.join(sorted(present)) or 'nothing'})")
-
-
-def _one_line(err: BaseException) -> str:
-    return f"{type(err).__name__}: {' '.join(str(err).split())}"
 
 
 def detect(where, shape: tuple, dtype: np.dtype, modality: str = "auto",
@@ -202,70 +133,11 @@ def arrays_modality(data_dir=None, path=None, modality="auto", layout="auto") ->
     _choice("modality", modality, ("auto",) + MODALITIES)
     _choice("layout", layout, LAYOUTS)
     file = _file(path)
-    shape, dtype = _x_train_header(file)
+    shape, dtype = x_train_header(file)
     return detect(file, shape, dtype, modality, layout)
 
 
 # --- load time ----------------------------------------------------------------------------
-
-
-def read_arrays(file: Path) -> dict[str, np.ndarray]:
-    """Every top-level array of the file by name; object arrays (pickles) are refused."""
-    if _open_check(file) == "npz":
-        return _read_npz(file)
-    return _read_hdf5(file)
-
-
-def _read_npz(file: Path) -> dict[str, np.ndarray]:
-    out = {}
-    try:
-        with np.load(file, allow_pickle=False) as npz:
-            for key in npz.files:
-                try:
-                    out[key] = npz[key]
-                except (zipfile.BadZipFile, OSError, EOFError, ValueError, zlib.error) as err:
-                    if "pickle" in str(err):
-                        _fail(file, f"array {key!r} holds Python objects (a pickle); fedmpi "
-                                    f"reads numbers, and strings for group_names")
-                    _fail(file, f"array {key!r} cannot be read ({_one_line(err)})")
-    except UsageError:
-        raise
-    except (zipfile.BadZipFile, OSError, EOFError, ValueError, zlib.error) as err:
-        _fail(file, f"not a readable .npz file ({_one_line(err)})")
-    return out
-
-
-def _read_hdf5(file: Path) -> dict[str, np.ndarray]:
-    import h5py
-
-    from fedmpi import hdf5
-
-    out = {}
-    try:
-        with hdf5.File(file, "r") as f:
-            for key in f:
-                node = f[key]
-                if not isinstance(node, h5py.Dataset):
-                    _fail(file, f"{key!r} is an HDF5 group; the arrays are datasets at the "
-                                f"top level")
-                try:
-                    string = h5py.check_string_dtype(node.dtype) is not None
-                    out[key] = np.asarray(node.asstr()[()] if string else node[()])
-                except (OSError, KeyError, RuntimeError, ValueError, TypeError) as err:
-                    _fail(file, f"array {key!r} cannot be read ({_one_line(err)})")
-    except UsageError:
-        raise
-    except (OSError, KeyError, RuntimeError, ValueError) as err:
-        _fail(file, f"not a readable HDF5 file ({_one_line(err)})")
-    return out
-
-
-def _sha256(file: Path) -> str:
-    digest = hashlib.sha256()
-    with open(file, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 @register("arrays", modality=arrays_modality,
@@ -281,7 +153,7 @@ def load_arrays(data_dir=None, seed=0, path=None, modality="auto", layout="auto"
     file = _file(path)
     arrays = read_arrays(file)
     try:
-        source = f"{file.resolve()} sha256:{_sha256(file)}"
+        source = f"{file.resolve()} sha256:{sha256(file)}"
     except OSError as err:
         _fail(file, f"cannot be read ({err.strerror or err})")
     return from_arrays(arrays, file, name="arrays", modality=modality, layout=layout, source=source)

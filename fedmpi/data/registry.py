@@ -152,7 +152,26 @@ def load_dataset(name: str, data_dir: str | None = None, seed: int = 0, **option
         raise UsageError(f"seed={seed!r}: must be a non-negative integer")
     spec = DATASETS[name]
     modality = None if callable(spec.modality) else spec.modality
-    return check_dataset(spec.load(data_dir, seed, **options), name, modality)
+    return check_dataset(_call_loader(name, spec.load, data_dir, seed, options), name, modality)
+
+
+def _call_loader(name: str, load, data_dir, seed, options):
+    """A plugin's loader failing (its file missing on one node, a format it cannot read)
+    is the user's input: one line naming the dataset and what it raised, as a failure to
+    import the plugin is. fedmpi's own loaders say their own lines; an exception of theirs
+    that is not a UsageError is a bug, shown as one."""
+    try:
+        return load(data_dir, seed, **options)
+    except (UsageError, MemoryError):   # the out-of-memory path says which rank, how much
+        raise
+    except Exception as exc:
+        module = getattr(load, "__module__", "") or ""
+        if module == "fedmpi" or module.startswith("fedmpi."):
+            raise
+        where = f"{module}.{getattr(load, '__qualname__', 'load')}"
+        detail = " ".join(str(exc).split())
+        raise UsageError(f"dataset {name!r}: its loader {where} raised "
+                         f"{type(exc).__name__}{': ' + detail if detail else ''}") from None
 
 
 def available_datasets(data_dir: str | None = None) -> list[tuple[str, str | None]]:
