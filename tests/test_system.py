@@ -53,12 +53,11 @@ def test_srun_without_ntasks_per_node_reads_the_step_layout(env, spec, node, siz
 
 
 def test_threads_split_the_node_between_workers(env):
-    env.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "1")
-    env.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "3")  # server + 2 workers on this node
     import os
-    assert choose_threads(0, False, True, 3) == max((os.cpu_count() or 1) // 2, 1)
-    assert choose_threads(0, False, False, 3) == 1 and choose_threads(0, True, True, 3) == 1
-    assert choose_threads(4, True, True, 3) == 4
+    assert choose_threads(0, False, True, local_workers=2) == max((os.cpu_count() or 1) // 2, 1)
+    assert choose_threads(0, False, False, local_workers=2) == 1
+    assert choose_threads(0, True, True, local_workers=2) == 1
+    assert choose_threads(4, True, True, local_workers=2) == 4
 
 
 def test_threads_follow_slurm_cpus_per_task_and_the_affinity_mask(env):
@@ -68,13 +67,13 @@ def test_threads_follow_slurm_cpus_per_task_and_the_affinity_mask(env):
     env.setattr(os, "cpu_count", lambda: 8)
     env.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     env.setattr(system, "cgroup_cpu_limit", lambda *a, **k: None)
-    assert choose_threads(0, False, True, 5) == 6
+    assert choose_threads(0, False, True, local_workers=1) == 6
     env.setenv("SLURM_CPUS_PER_TASK", "12")   # never more than the cores it may use
-    assert choose_threads(0, False, True, 5) == 8
+    assert choose_threads(0, False, True, local_workers=1) == 8
     env.delenv("SLURM_CPUS_PER_TASK")
     if hasattr(os, "sched_getaffinity") and (os.cpu_count() or 1) > 1:
         env.setattr(os, "sched_getaffinity", lambda pid: {0})  # bound to one core
-        assert choose_threads(0, False, True, 3) == 1
+        assert choose_threads(0, False, True, local_workers=2) == 1
 
 
 def test_device_choice_on_a_cpu_machine(env):

@@ -190,10 +190,11 @@ def cumulative_virtual_hours(run) -> np.ndarray:
 
 def virtual_hours(run) -> float:
     """Virtual hours the whole run took on the simulated deployment: the clock at its last
-    round; NaN without the clock."""
+    round (inf where it overflowed, in a file from before that was refused); NaN without
+    the clock."""
     hours = cumulative_virtual_hours(run)
-    finite = hours[np.isfinite(hours)]
-    return float(finite[-1]) if len(finite) else math.nan
+    known = hours[~np.isnan(hours)]
+    return float(known[-1]) if len(known) else math.nan
 
 
 def hours_to(run, target: float, smooth: float | None = None) -> float | None:

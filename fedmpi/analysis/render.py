@@ -19,9 +19,12 @@ FORMATS = ("text", "csv", "markdown")
 
 
 def number(x: float, decimals: int | None = None) -> str:
-    """Four significant digits without exponent notation (1.646, 183.6, 4000); '-' for NaN."""
-    if x is None or not math.isfinite(x):
+    """Four significant digits without exponent notation (1.646, 183.6, 4000); '-' for NaN
+    (not measured), 'inf' and '-inf' for what overflowed."""
+    if x is None or math.isnan(x):
         return "-"
+    if math.isinf(x):
+        return str(x)
     return f"{x:.{_decimals(x) if decimals is None else decimals}f}"
 
 
@@ -34,7 +37,7 @@ def _decimals(x: float) -> int:
 def stat(mean: float, std: float, percent: bool = False) -> str:
     """``mean ± std`` in one precision; just the mean when the std is undefined."""
     if mean is None or not math.isfinite(mean):
-        return "-"
+        return number(mean)
     scale = 100.0 if percent else 1.0
     decimals = 2 if percent else _decimals(mean)
     text = number(mean * scale, decimals)
@@ -56,9 +59,9 @@ def rounds_stat(mean: float, std: float, reached: int, n: int) -> str:
 
 def hours(mean: float, std: float) -> str:
     """Virtual hours as ``mean ± std``: four significant digits however small (a short test
-    run lasts seconds, 0.0003061 h), up to 8 decimals."""
+    run lasts seconds, 0.0003061 h), up to 8 decimals; 'inf' for a clock that overflowed."""
     if mean is None or not math.isfinite(mean):
-        return "-"
+        return number(mean)
     decimals = 2 if mean == 0 else max(0, min(8, 3 - math.floor(math.log10(abs(mean)))))
     text = number(mean, decimals)
     if std is not None and math.isfinite(std):

@@ -180,7 +180,7 @@ def _hours_spec(target: float) -> tuple:
     field = f"hours_to_{target_name(target)}"
 
     def cell(row):
-        if not math.isfinite(row.get("virtual_h_mean", math.nan)):
+        if math.isnan(row.get("virtual_h_mean", math.nan)):
             return "-"
         return render.hours_stat(row[field + "_mean"], row[field + "_std"], row[field + "_reached"], row["n"])
     return (f"H@{100 * target:g}%", cell, [f"{field}_mean", f"{field}_std", f"{field}_reached"])

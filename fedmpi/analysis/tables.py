@@ -166,7 +166,8 @@ def _aggregate(rows: list[dict], keys: list[str], names: list[str], seeds: list)
     out = {**{k: rows[0][k] for k in keys}, "status": rows[0]["status"], "n": len(rows),
            "seeds": _distinct_seeds(seeds)}
     for name in names:
-        values = [r[name] for r in rows if r.get(name) is not None and math.isfinite(r[name])]
+        # an infinite value (an overflowed clock) is a value: it shows as inf, not as missing
+        values = [r[name] for r in rows if r.get(name) is not None and not math.isnan(r[name])]
         out[f"{name}_mean"], out[f"{name}_std"] = _mean_std(values)
         if name.startswith(("rounds_to_", "hours_to_")):
             out[f"{name}_reached"] = len(values)
@@ -176,6 +177,8 @@ def _aggregate(rows: list[dict], keys: list[str], names: list[str], seeds: list)
 def _mean_std(values: list[float]) -> tuple[float, float]:
     if not values:
         return math.nan, math.nan
+    if not all(math.isfinite(v) for v in values):   # inf (an overflowed clock): no spread
+        return sum(values) / len(values), math.nan
     std = float(np.std(values, ddof=1)) if len(values) > 1 else math.nan
     return float(np.mean(values)), std
 

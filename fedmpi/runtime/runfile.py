@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import sys
@@ -17,7 +16,7 @@ from ..errors import UsageError, warn
 from ..results import ResultsWriter, RunFile, checkpoint, liveness, schema
 from ..results.lock import RunLock
 from ..results.writer import recover_crashed
-from . import asyncfl, vclock
+from . import asyncfl, vclock, vclock_inputs
 from .records import RANK_FIELDS, ROUND_FIELDS, client_fields
 
 
@@ -50,7 +49,7 @@ def create_file(exp, dataset, ranks) -> bool:
     if exp.clock is not None:   # the devices under /partition, the clock's columns
         provenance.update(step_time=exp.clock.step_time,
                           step_time_measured=bool(cfg.system_model.measure_step_time),
-                          **input_digests(cfg))
+                          **vclock_inputs.input_digests(cfg, exp.clock))
         partition.update({f"device_{k}": v for k, v in exp.clock.profiles.items()})
         round_fields += vclock.ROUND_FIELDS
         clients += vclock.CLIENT_FIELDS
@@ -109,13 +108,10 @@ def resume_file(exp, dataset, ranks) -> bool:
     if exp.clock is not None and "step_time" in attrs:   # a measured one is the file's
         exp.clock.step_time = float(attrs["step_time"])
     if exp.clock is not None:   # the devices and the trace a resume reads must be the run's
-        changed = [k for k, v in exp.clock.profiles.items()
-                   if not np.array_equal(stored.get(f"device_{k}"), v)]
-        changed += [k for k, v in input_digests(exp.config).items() if attrs.get(k) != v]
+        changed = vclock_inputs.input_changes(exp.config, exp.clock, stored, attrs)
         if changed:
             raise UsageError(f"--resume {path}: the virtual clock's inputs differ from the run's "
-                             f"({', '.join(changed)}; was system_model.profile_file or "
-                             f"availability_file changed?)")
+                             f"({'; '.join(changed)})")
     # the data first: the partition is drawn from their labels
     data, was, now = exp.config.data, attrs.get("dataset_sha256"), dataset.sha256()
     if was is not None and was != now:   # files written before the digest have none
@@ -174,15 +170,6 @@ def load_checkpoint(exp, ckpt) -> None:
         exp.asynchronous.load_state_dict(saved)
     exp.store.load_state_dict(ckpt.states())
     exp.start = ckpt.round
-
-
-def input_digests(cfg) -> dict[str, str]:
-    """SHA-256 of the user files the virtual clock reads (profile table, availability
-    trace), so a resume can tell that they are still the run's."""
-    m = cfg.system_model
-    files = {"profile_file_sha256": m.profile_file if m.profiles == "file" else "",
-             "availability_file_sha256": m.availability_file if m.availability == "trace" else ""}
-    return {k: hashlib.sha256(Path(f).read_bytes()).hexdigest() for k, f in files.items() if f}
 
 
 def command_line() -> str:

@@ -6,8 +6,9 @@ from the seed (``"lognormal"``: a speed multiplier of the reference step time an
 downlink and uplink bandwidth, lognormal around the configured medians, plus a fixed
 latency; ``"tiers"``: one of the named tiers, drawn by share) or read from a table
 (``"file"``: ``profile_file``, a CSV with a header row or an .npz with the columns client,
-speed, down_mbps, up_mbps, latency; every client id of the population exactly once). A
-client's participation then takes, from the round's start,
+speed, down_mbps, up_mbps, latency; every client id of the population exactly once; read
+and checked by fedmpi.runtime.vclock_inputs, as the availability trace is). A client's
+participation then takes, from the round's start,
 
     download = bytes_down * 8 / downlink + latency
     compute  = local steps * step_time / speed
@@ -63,23 +64,19 @@ sizes), the same for any number of ranks. Ties are broken by client id. Server w
 
 from __future__ import annotations
 
-import csv
 import math
-import zipfile
-from pathlib import Path
 
 import numpy as np
 
-from ..errors import UsageError
 from .plan import sample_clients
 from .rng import numpy_rng
+from .vclock_inputs import (PROFILE_FIELDS, TRACE_FIELDS, horizon, overflow,  # noqa: F401
+                            overflow_error, read_profiles, read_trace)
 
 PROFILES = ("off", "lognormal", "tiers", "file")
 STEP_UNITS = ("step", "sample")
 POLICIES = ("wait_all", "deadline", "overselect", "fedasync", "fedbuff")
 AVAILABILITY = ("always", "bernoulli", "markov", "diurnal", "trace")
-PROFILE_FIELDS = ("speed", "down_mbps", "up_mbps", "latency")
-TRACE_FIELDS = ("client", "start", "end")
 
 
 def draw_profiles(seed: int, num_clients: int, model) -> dict[str, np.ndarray]:
@@ -102,151 +99,6 @@ def draw_profiles(seed: int, num_clients: int, model) -> dict[str, np.ndarray]:
     up = model.up_mbps * np.exp(model.bandwidth_sigma * rng.standard_normal(num_clients))
     return {"speed": speed, "down_mbps": down, "up_mbps": up,
             "latency": np.full(num_clients, float(model.latency))}
-
-
-# ---- tables from files ----------------------------------------------------------------------
-
-def read_table(path, columns: tuple[str, ...], field: str) -> dict[str, np.ndarray]:
-    """The named ``columns`` of a user file as float64 arrays: a CSV with a header row
-    (columns in any order, others ignored) or an .npz with arrays of those names.
-    Anything wrong is a one-line UsageError naming ``field``."""
-    def bad(message: str) -> UsageError:
-        return UsageError(f"config field {field}: {message}")
-
-    if not isinstance(path, str) or not path:
-        raise bad(f"needs a file path (a .csv or .npz file with columns {', '.join(columns)})")
-    file = Path(path).expanduser()
-    if not file.exists():
-        raise bad(f"{path} does not exist")
-    if file.is_dir():
-        raise bad(f"{path} is a directory; give a .csv or .npz file")
-    if not file.is_file():   # a link to /dev/zero: a CSV line that never ends
-        raise bad(f"{path} is not a regular file (a device, a pipe or a socket); give a .csv "
-                  f"or .npz file")
-    suffix = file.suffix.lower()
-    if suffix not in (".csv", ".npz"):
-        raise bad(f"{path} is not a .csv or .npz file name")
-    try:
-        out = _read_npz(file, columns, bad) if suffix == ".npz" else _read_csv(file, columns, bad)
-    except UsageError:
-        raise
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile, csv.Error) as exc:
-        detail = " ".join(str(exc).split()) or "no message"
-        raise bad(f"cannot read {path} ({type(exc).__name__}: {detail})") from None
-    if not len(out[columns[0]]):
-        raise bad(f"{path} has no rows")
-    return out
-
-
-def _read_csv(file: Path, columns, bad) -> dict[str, np.ndarray]:
-    with open(file, newline="", encoding="utf-8-sig") as f:
-        rows = [r for r in csv.reader(f) if any(x.strip() for x in r)]
-    if not rows:
-        raise bad(f"{file} is empty (it needs a header row: {','.join(columns)})")
-    header = [h.strip().lower() for h in rows[0]]
-    missing = [c for c in columns if c not in header]
-    if missing:
-        raise bad(f"{file} has no column {', '.join(missing)} (its header row: "
-                  f"{','.join(header)[:80]}; needed: {','.join(columns)})")
-    for line, r in enumerate(rows[1:], start=2):
-        if len(r) != len(header):
-            raise bad(f"{file} line {line} has {len(r)} fields, the header {len(header)}")
-    out = {}
-    for c in columns:
-        i = header.index(c)
-        values = [r[i].strip() for r in rows[1:]]
-        try:
-            out[c] = np.array(values, dtype=np.float64)
-        except ValueError:
-            line = next(n for n, v in enumerate(values, start=2) if not _is_number(v))
-            raise bad(f"{file} line {line}: {c} {values[line - 2][:40]!r} is not a number") from None
-    return out
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
-def _read_npz(file: Path, columns, bad) -> dict[str, np.ndarray]:
-    if not zipfile.is_zipfile(file):
-        raise bad(f"{file} is not an .npz file (numpy.savez writes one)")
-    with np.load(file, allow_pickle=False) as z:
-        missing = [c for c in columns if c not in z.files]
-        if missing:
-            raise bad(f"{file} has no array {', '.join(missing)} (needed: {', '.join(columns)})")
-        out = {}
-        for c in columns:
-            a = z[c]
-            if a.ndim != 1 or a.dtype.kind not in "biuf":
-                raise bad(f"{file}: array {c} must be 1-D numbers, got {a.dtype} {a.shape}")
-            out[c] = a.astype(np.float64)
-    if len({len(a) for a in out.values()}) > 1:
-        raise bad(f"{file}: arrays {', '.join(columns)} differ in length")
-    return out
-
-
-def _client_ids(values: np.ndarray, file, field: str, num_clients: int | None,
-                unique: bool) -> np.ndarray:
-    """A table's client column as int64 ids: whole numbers >= 0, below ``num_clients``
-    when known, each once when ``unique``."""
-    ok = np.isfinite(values) & (values >= 0) & (values == np.round(values))
-    if not ok.all():
-        raise UsageError(f"config field {field}: {file}: client {values[~ok][0]} is not a "
-                         f"client id (a whole number >= 0)")
-    ids = values.astype(np.int64)
-    if num_clients is not None and ids.max() >= num_clients:
-        raise UsageError(f"config field {field}: {file}: client {ids.max()} is not in the "
-                         f"population of {num_clients} (ids 0..{num_clients - 1})")
-    if unique:
-        uniq, counts = np.unique(ids, return_counts=True)
-        if (counts > 1).any():
-            raise UsageError(f"config field {field}: {file}: client {uniq[counts > 1][0]} has "
-                             f"{counts[counts > 1][0]} rows (each client exactly once)")
-    return ids
-
-
-def read_profiles(path, num_clients: int | None = None) -> dict[str, np.ndarray]:
-    """``profiles = "file"``: the table of ``profile_file`` (``read_table``), values finite,
-    speed and bandwidths > 0, latency >= 0, each client once; with ``num_clients`` every
-    id 0..num_clients-1 exactly once, and the profiles come back in client order (as
-    ``draw_profiles``'s)."""
-    field = "system_model.profile_file"
-    t = read_table(path, ("client",) + PROFILE_FIELDS, field)
-    ids = _client_ids(t["client"], path, field, num_clients, unique=True)
-    for name in PROFILE_FIELDS:
-        v = t[name]
-        ok = np.isfinite(v) & ((v >= 0) if name == "latency" else (v > 0))
-        if not ok.all():
-            need = ">= 0" if name == "latency" else "> 0"
-            raise UsageError(f"config field {field}: {path}: client {ids[~ok][0]}'s {name} must "
-                             f"be a finite number {need}, got {v[~ok][0]}")
-    if num_clients is not None and len(ids) != num_clients:
-        missing = np.setdiff1d(np.arange(num_clients), ids)
-        raise UsageError(f"config field {field}: {path} has no row for client {missing[0]} "
-                         f"({len(missing)} of the {num_clients} clients missing; every id "
-                         f"0..{num_clients - 1} needs one)")
-    order = np.argsort(ids, kind="stable")
-    return {name: t[name][order] for name in PROFILE_FIELDS}
-
-
-def read_trace(path, num_clients: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``availability = "trace"``: (client, start, end) of ``availability_file``, in
-    virtual seconds: start finite, end > start (may be inf); clients below
-    ``num_clients`` when known; a client may have any number of intervals."""
-    field = "system_model.availability_file"
-    t = read_table(path, TRACE_FIELDS, field)
-    ids = _client_ids(t["client"], path, field, num_clients, unique=False)
-    start, end = t["start"], t["end"]
-    ok = np.isfinite(start) & ~np.isnan(end) & (end > start)
-    if not ok.all():
-        i = np.flatnonzero(~ok)[0]
-        raise UsageError(f"config field {field}: {path}: client {ids[i]}'s interval "
-                         f"[{start[i]}, {end[i]}) needs a finite start before its end")
-    return ids, start, end
 
 
 # ---- availability and dropout: masks keyed by (seed, round, client) -------------------------
@@ -409,7 +261,7 @@ class VirtualClock:
     def __init__(self, config, message_bytes: tuple[int, int], work: np.ndarray):
         """``work``: each client's units of ``step_unit`` in one epoch (its steps, or its
         samples)."""
-        self.model = config.system_model
+        self.config, self.model = config, config.system_model
         self.seed = config.seed
         # one device per client identity (a dynamic population has more than clients.num)
         num = len(work)
@@ -419,13 +271,31 @@ class VirtualClock:
             if self.model.availability != "always" else None
         # a participation's bytes: the FL ledger's, at the codecs' encoded sizes
         self.bytes_down, self.bytes_up = message_bytes
-        self.step_time = self.model.step_time   # or the one measured at start-up
         # each participation's units of step_time: E epochs of steps (or samples)
         self.steps = np.asarray(work) * config.train.local_epochs
         # a later phase's steps in units of step_time (per sample: a full batch a step)
         self.steps_per_step = 1 if self.model.step_unit == "step" else config.train.batch_size
         self.per_round = config.clients.per_round
         self.now = 0.0   # seconds since the run's start, at the end of the last round
+        self.step_time = self.model.step_time   # or the one measured at start-up
+
+    @property
+    def step_time(self) -> float:
+        return self._step_time
+
+    @step_time.setter
+    def step_time(self, seconds: float) -> None:
+        """Set with the configured, the measured or a resumed run's step time alike, each
+        checked against the real devices, bytes and steps: a clock that would overflow
+        (vclock_inputs.overflow) is refused before anything is written."""
+        self._step_time = seconds
+        trace = self.availability.trace if self.availability is not None else None
+        opening = float(trace[1].max()) if trace is not None else 0.0
+        hit = overflow(self.profiles, self.steps, self.bytes_down, self.bytes_up, seconds,
+                       horizon(self.config), opening)
+        if hit is not None:
+            raise overflow_error(self.config, self.profiles, hit, self.steps, seconds,
+                                 f"client {hit[0]}")
 
     def durations(self) -> np.ndarray:
         """Every client's seconds per participation (asynchronous FL's schedule)."""
