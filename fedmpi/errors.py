@@ -125,6 +125,31 @@ class UsageError(ValueError):
     """
 
 
+def did_you_mean(word: str, choices, dotted: bool = True) -> str:
+    """`` (did you mean 'train.lr'?)`` to append to a message about the unknown ``word``,
+    or "" when no choice is close. Dotted names are matched by their last part: the same
+    one in another section first (``lr``, ``eval.lr`` -> ``train.lr``), then the closest
+    spelling in the same section (``train.lrr``, a preset ``defualt``), then in any.
+    ``dotted=False``: a dot is just a character (file names)."""
+    import difflib
+
+    split = (lambda text: text.rpartition(".")) if dotted else (lambda text: ("", "", text))
+    parts = {c: split(c) for c in sorted({str(c) for c in choices} - {word})}
+    parent, _, leaf = split(word)
+    close = [c for c, (_, _, last) in parts.items() if last.lower() == leaf.lower()]
+    for section, cutoff in ((parent, 0.6), (None, 0.65)):   # None: every section, a bit closer
+        if not close:
+            leaves = {last for up, _, last in parts.values() if section in (None, up)}
+            near = difflib.get_close_matches(leaf, sorted(leaves), n=1, cutoff=cutoff)
+            close = [c for c, (up, _, last) in parts.items()
+                     if near and last == near[0] and section in (None, up)]
+    if not close:
+        return ""
+    names = [repr(c) for c in close[:3]]
+    either = f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else names[0]
+    return f" (did you mean {either}?)"
+
+
 _RUNS = ("run", "sweep")   # the commands that write results files (sweep --run-cell)
 
 

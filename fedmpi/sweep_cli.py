@@ -48,7 +48,9 @@ def sweep(sweep_file, count, cell_index, print_args, run_cell, overrides, outdir
     if run_cell is None and launcher_rank():
         return   # listing and counting are one process's work, as every command but run's
     from . import sweep as sweeps
+    from .config.sources import refuse_spaced_value
 
+    refuse_spaced_value(overrides, [sweep_file])   # `--set train.lr 0.1`: 0.1 is no sweep file
     plan = sweeps.load(sweep_file, outdir=outdir, overrides=overrides)
     if count:
         click.echo(len(plan))

@@ -382,7 +382,8 @@ def test_watch_timeout_on_the_command_line(tmp_path):
     missing = tmp_path / "queued.h5"
     proc = run_cli(["watch", missing, "--wait", "--timeout", "0.5", "--interval", "0.2"], timeout=FAST)
     assert proc.returncode == 124 and proc.stdout.splitlines() == [
-        f"waiting for {missing}", f"timeout: {missing} did not become readable within 0.5 s"]
+        f"timeout: {missing} did not become readable within 0.5 s"]
+    assert proc.stderr == f"fedmpi: waiting for {missing} to appear...\n"
     for value, says in (("0", "--timeout 0: seconds must be a finite number > 0"),
                         ("-1", "--timeout -1: seconds must be"), ("nan", "--timeout nan: seconds must be"),
                         ("inf", "--timeout inf: seconds must be"), ("1e999", "--timeout 1e999: seconds must be"),

@@ -129,7 +129,8 @@ def test_watch_follows_a_real_run_until_it_completes(tmp_path):
     stdout, stderr = watcher.communicate(timeout=60)
     assert watcher.returncode == 0, stderr
     assert time.monotonic() - finished < 30
-    lines = [line for line in stdout.splitlines() if line != f"waiting for {out}"]
+    assert stderr in ("", f"fedmpi: waiting for {out} to appear...\n")
+    lines = stdout.splitlines()
     assert lines[0] == f"watching {out}: fedavg on synthetic, 8 rounds, running"
     rounds = [line for line in lines if line.startswith("round ")]
     assert [line.split()[1] for line in rounds] == [f"{r}/8" for r in range(0, 9)]  # 0: initial model
@@ -158,7 +159,9 @@ def test_watch_once_shows_the_state_and_exits_with_the_status_code(tmp_path, sta
 
 def test_watch_bad_input_exits_2(tmp_path):
     (tmp_path / "x.h5").write_text("x")
-    for args, says in (([tmp_path / "none.h5"], "does not exist"), ([tmp_path / "x.h5"], "not an HDF5 file"),
+    # a missing file is waited for (a job still queued), but not with --once
+    for args, says in (([tmp_path / "none.h5", "--once"], "does not exist"),
+                       ([tmp_path / "x.h5"], "not an HDF5 file"),
                        ([tmp_path / "x.h5", "--interval", "0"], "--interval 0"),
                        # both were "does not exist"
                        ([tmp_path], f"results file {tmp_path} is a directory; give one run's results file"),

@@ -8,7 +8,8 @@ from __future__ import annotations
 import dataclasses
 
 from ..config import check_scalar
-from ..errors import UsageError
+from ..config.coerce import field_paths
+from ..errors import UsageError, did_you_mean
 from .base import REGISTRY, Algorithm, ClientTask, RoundContext, Upload, register
 from .params import default_of, params_table
 
@@ -28,7 +29,8 @@ _import_all()
 
 def _lookup(name: str) -> type[Algorithm]:
     if name not in REGISTRY:
-        raise UsageError(f"config field algorithm.name: {name!r} is not allowed; "
+        raise UsageError(f"config field algorithm.name: {name!r} is not allowed"
+                         f"{did_you_mean(str(name), REGISTRY)}; "
                          f"choose one of {', '.join(sorted(REGISTRY))}")
     return REGISTRY[name]
 
@@ -80,7 +82,9 @@ def build(name: str, params: dict) -> Algorithm:
     for key, value in params.items():
         if key not in fields:
             allowed = ", ".join(fields) or "none"
-            raise UsageError(f"config field algorithm.{key}: {name} has no such parameter; "
+            hint = did_you_mean(f"algorithm.{key}", [f"algorithm.{f}" for f in fields]
+                                + list(field_paths()))   # algorithm.lr: train.lr
+            raise UsageError(f"config field algorithm.{key}: {name} has no such parameter{hint}; "
                              f"allowed: {allowed}")
         values[key] = _checked(f"algorithm.{key}", value, default_of(fields[key]))
         _finite(name, key, values[key])

@@ -9,6 +9,7 @@ Options are taken as text and checked here, so every bad value is the usual one-
 from __future__ import annotations
 
 import math
+import os
 import sys
 import warnings
 
@@ -121,29 +122,37 @@ MIN_INTERVAL = 0.1   # seconds: --interval 1e-9 took 56 % of a core from the run
 @click.option("--interval", default="2", metavar="SECONDS",
               help="Seconds between polls (default 2, at least 0.1).")
 @click.option("--once", is_flag=True, help="Print the current state and exit.")
-@click.option("--wait", is_flag=True, help="Wait for FILE to appear (a job still queued).")
+@click.option("--wait", is_flag=True,
+              help="With --once too, wait for FILE to appear (without --once a missing FILE, "
+                   "a job still queued, is always waited for).")
 @click.option("--timeout", metavar="SECONDS",
-              help="Give up with exit code 124 when no new round comes for SECONDS (for scripts).")
+              help="Give up with exit code 124 when FILE has not appeared, or no new round "
+                   "has come, for SECONDS (for scripts).")
 @one_line_errors
 def watch(file, interval, once, wait, timeout):
     """Follow a running experiment's results file: a line per round until it ends.
 
-    A run whose process died is noticed: at once on the host it ran on, from another
-    host after no new round for 30 times its median round time (at least 30 min).
+    A FILE that does not exist yet (a job still queued) is waited for, saying so once on
+    stderr; --timeout SECONDS bounds the wait. A run whose process died is noticed: at
+    once on the host it ran on, from another host after no new round for 30 times its
+    median round time (at least 30 min).
 
     \b
     Exit code:   0 completed (or still running, with --once)
                  1 failed, or crashed (its process is gone)
                 75 interrupted (preempted; `fedmpi run --resume FILE` continues it)
                  2 bad input, or a damaged file
-               124 --timeout SECONDS passed without a new round
+               124 --timeout SECONDS passed without FILE or a new round
                130 Ctrl-C
     """
     from fedmpi.analysis.watch import watch as follow
 
     seconds = parse_seconds("--interval", interval, least=MIN_INTERVAL)
     limit = None if timeout is None else parse_seconds("--timeout", timeout)
-    sys.exit(follow(file, interval=seconds, once=once, wait=wait, echo=click.echo, timeout=limit))
+    # a file that is there is read at once (a directory or a damaged file: exit 2 at once)
+    wait = wait or not (once or os.path.exists(file))
+    sys.exit(follow(file, interval=seconds, once=once, wait=wait, echo=click.echo, timeout=limit,
+                    note=lambda line: click.echo(f"fedmpi: {line}", err=True)))
 
 
 def load_runs(sources, strict: bool, completed_only: bool):

@@ -15,8 +15,8 @@ come for ``_STALL_ROUNDS`` times the median round time, and never sooner than
 Exit codes (``watch`` returns them; ``fedmpi watch`` exits with them): 0 the run
 completed (or, with ``once``, is still running), 1 it failed or crashed (its writer is
 gone, or presumed gone after such a stall), 75 it was interrupted (preempted; resumable,
-as ``fedmpi run`` exits then), 124 ``timeout`` seconds passed without a new round,
-2 bad input (also a damaged file).
+as ``fedmpi run`` exits then), 124 ``timeout`` seconds passed without a new round (or,
+with ``wait``, without the file), 2 bad input (also a damaged file).
 """
 
 from __future__ import annotations
@@ -25,11 +25,12 @@ import math
 import os
 import socket
 import time
+from pathlib import Path
 
 import numpy as np
 
 from fedmpi.analysis.runs import latest_rows
-from fedmpi.errors import UsageError
+from fedmpi.errors import UsageError, did_you_mean
 from fedmpi.results import liveness, open_run
 
 EXIT_CODES = {"completed": 0, "failed": 1, "interrupted": 75}
@@ -42,14 +43,15 @@ _STALL_MIN = 1800.0     # ... but never fewer seconds than this (a slow evaluati
 
 
 def watch(path, interval: float = 2.0, once: bool = False, wait: bool = False, echo=print,
-          timeout: float | None = None) -> int:
+          timeout: float | None = None, note=None) -> int:
     """Print progress lines as rounds appear until the run ends; return the exit code.
 
-    ``wait``: the file need not exist yet (a job still queued); poll until it can be read.
+    ``wait``: the file need not exist yet (a job still queued); poll until it can be read,
+    saying so once through ``note`` (default: ``echo``; ``fedmpi watch``: stderr).
     ``timeout``: give up (EXIT_TIMEOUT) after this many seconds without a new round.
     """
     quiet_since = time.monotonic()   # when a round (or the status) last changed
-    current = _first_read(path, interval, wait, echo, _until(quiet_since, timeout))
+    current = _first_read(path, interval, wait, note or echo, _until(quiet_since, timeout))
     if current is None:
         echo(f"timeout: {path} did not become readable within {_seconds(timeout)}")
         return EXIT_TIMEOUT
@@ -98,14 +100,14 @@ def watch(path, interval: float = 2.0, once: bool = False, wait: bool = False, e
             return EXIT_TIMEOUT
 
 
-def _first_read(path, interval: float, wait: bool, echo, until: float | None):
+def _first_read(path, interval: float, wait: bool, note, until: float | None):
     """The first read; with ``wait``, after the file appears (None if ``until`` passes)."""
     if not wait:
         return _read(path)
     waiting = False
     while not os.path.exists(path):
         if not waiting:
-            echo(f"waiting for {path}")
+            note(f"waiting for {path} to appear...{_near(path)}")
             waiting = True
         if until is not None and time.monotonic() + interval >= until:
             time.sleep(max(until - time.monotonic(), 0))
@@ -114,6 +116,23 @@ def _first_read(path, interval: float, wait: bool, echo, until: float | None):
             break
         time.sleep(interval)
     return _poll(path, until)
+
+
+def _near(path) -> str:
+    """A hint for a file that may never appear: a folder on its way is a file (an error),
+    or a file of a close name is there already (a typo)."""
+    folder = Path(path).absolute().parent
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir():
+        raise UsageError(f"results file {path} cannot appear: {folder} is not a directory")
+    if folder != Path(path).absolute().parent:
+        return ""
+    try:
+        names = [entry.name for entry in os.scandir(folder) if entry.is_file()]
+    except OSError:
+        return ""
+    return did_you_mean(Path(path).name, names, dotted=False)
 
 
 def _read(path):

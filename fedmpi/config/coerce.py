@@ -10,7 +10,7 @@ import functools
 import math
 from typing import Any, get_type_hints
 
-from ..errors import UsageError
+from ..errors import UsageError, did_you_mean
 from .schema import OPEN_SECTIONS
 
 
@@ -139,7 +139,24 @@ def build(cls, values: dict, prefix: str):
             extra[key] = value
         else:
             allowed = ", ".join(sorted(names))
-            raise field_error(prefix + key, f"unknown key; allowed: {allowed}")
+            hint = did_you_mean(prefix + key, field_paths())
+            raise field_error(prefix + key, f"unknown key{hint}; allowed: {allowed}")
     if open_field:
         known[open_field] = extra
     return cls(**known)
+
+
+@functools.cache
+def field_paths() -> tuple[str, ...]:
+    """Every section and fixed field of a config as a dotted path (``train``, ``train.lr``,
+    ``seed``): what an unknown key is matched against (``--set lr=0.1`` -> ``train.lr``)."""
+    from .schema import ExperimentConfig
+
+    paths = []
+    for top in dataclasses.fields(ExperimentConfig):
+        paths.append(top.name)
+        section = type_hints(ExperimentConfig)[top.name]
+        if dataclasses.is_dataclass(section):
+            paths += [f"{top.name}.{f.name}" for f in dataclasses.fields(section)
+                      if f.name != OPEN_SECTIONS.get(top.name)]
+    return tuple(paths)

@@ -13,6 +13,7 @@ import os
 import socket
 from pathlib import Path
 
+from ..errors import did_you_mean
 from .coerce import build, check_scalar, field_error
 from .schema import OPEN_SECTIONS, ExperimentConfig
 
@@ -52,7 +53,8 @@ def _positive(name: str, value, allow_zero: bool = False) -> None:
 
 def _one_of(name: str, value: str, allowed) -> None:
     if value not in allowed:
-        raise field_error(name, f"{value!r} is not allowed; choose one of {', '.join(sorted(allowed))}")
+        raise field_error(name, f"{value!r} is not allowed{did_you_mean(str(value), allowed)}; "
+                                f"choose one of {', '.join(sorted(allowed))}")
 
 
 def resolve_and_validate(c: ExperimentConfig) -> None:
@@ -208,6 +210,7 @@ def _validate_system_model(c: ExperimentConfig) -> None:
     waiting for all only with profiles to time the clients by."""
     from ..runtime.asyncfl import MODES as ASYNC_MODES, STALENESS
     from ..runtime.vclock import POLICIES, PROFILES, STEP_UNITS
+    from ..runtime.vclock_inputs import check_config_clock
 
     m = c.system_model
     _one_of("system_model.profiles", m.profiles, PROFILES)
@@ -220,7 +223,7 @@ def _validate_system_model(c: ExperimentConfig) -> None:
     for name in ("speed_sigma", "bandwidth_sigma", "latency", "deadline", "overselect",
                  "concurrency", "buffer", "staleness_exponent"):
         _positive(f"system_model.{name}", getattr(m, name), allow_zero=True)
-    _validate_availability(c)
+    inputs = _validate_availability(c)
     if m.profiles == "off":
         if m.policy != "wait_all":
             raise field_error("system_model.policy", f"{m.policy!r} times the clients: set "
@@ -245,25 +248,28 @@ def _validate_system_model(c: ExperimentConfig) -> None:
             raise field_error("system_model.policy", "\"overselect\" selects a fixed number of "
                                                      "clients; clients.sampling \"bernoulli\" "
                                                      "draws a random one (use uniform or size)")
+    check_config_clock(c, *inputs)
 
 
-def _validate_availability(c: ExperimentConfig) -> None:
+def _validate_availability(c: ExperimentConfig) -> tuple:
     """Profiles from a file, availability and dropout: names from the lists, probabilities
     in range, files readable with the right columns and values. A static population's
     client ids are checked here against clients.num; a dynamic one's (more identities
-    than clients.num, known once the partition is made) when the clock is set up."""
+    than clients.num, known once the partition is made) when the clock is set up.
+    Returns the profile table and the trace read (None where there is none)."""
     from ..runtime.vclock import AVAILABILITY, read_profiles, read_trace
 
     m = c.system_model
     _one_of("system_model.availability", m.availability, AVAILABILITY)
     static = None if c.clients.replace_prob else c.clients.num
+    table = trace = None
     if m.profiles == "file":
-        read_profiles(m.profile_file, static)
+        table = read_profiles(m.profile_file, static)
     elif m.profile_file:
         raise field_error("system_model.profile_file", f"is read with system_model.profiles = "
                                                        f"\"file\" only (profiles is {m.profiles!r})")
     if m.availability == "trace":
-        read_trace(m.availability_file, static)
+        trace = read_trace(m.availability_file, static)
     elif m.availability_file:
         raise field_error("system_model.availability_file", "is read with "
                           "system_model.availability = \"trace\" only (availability is "
@@ -285,6 +291,7 @@ def _validate_availability(c: ExperimentConfig) -> None:
                                                             "available)")
     if not 0 <= m.dropout < 1:
         raise field_error("system_model.dropout", f"must be in [0, 1), got {m.dropout}")
+    return table, trace
 
 
 def _validate_compression(c: ExperimentConfig) -> None:
@@ -438,12 +445,12 @@ def _validate_paths(c: ExperimentConfig) -> None:
                                   f"got {c.name!r}")
     if not c.output:
         raise field_error("output", "must not be empty; give a results file path, e.g. "
-                                    "runs/{name}-{algorithm}-seed{seed}.h5")
+                                    "runs/{name}-{algorithm}-seed{seed}-{digest}.h5")
     try:
         path = os.path.expanduser(c.output.format(**c.placeholders()))
     except (KeyError, IndexError, ValueError, AttributeError, TypeError) as exc:
         raise field_error("output", f"bad placeholder {exc}; allowed: {{name}} {{algorithm}} "
-                                    f"{{dataset}} {{seed}}") from None
+                                    f"{{dataset}} {{seed}} {{digest}}") from None
     if path.endswith("/") or Path(path).name in ("", ".", ".."):
         raise field_error("output", f"{path!r} names a directory; give a results file path in it, "
                                     f"e.g. {path.rstrip('/') or '.'}/{{name}}.h5")

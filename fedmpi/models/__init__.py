@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping
 
 from torch import nn
 
-from fedmpi.errors import UsageError
+from fedmpi.errors import UsageError, did_you_mean
 from fedmpi.models.cnn import CNN, PADDINGS
 from fedmpi.models.lstm import CharLSTM
 from fedmpi.models.mlp import MLP, TwoNN
@@ -163,7 +163,8 @@ def add_projection_head(module: nn.Module, proj_dim: int) -> None:
 
 def _spec(name: str) -> ModelSpec:
     if name not in MODELS:
-        raise UsageError(f"model.name must be one of {', '.join(map(repr, MODELS))}, got {name!r}")
+        raise UsageError(f"model.name must be one of {', '.join(map(repr, MODELS))}, got "
+                         f"{name!r}{did_you_mean(str(name), MODELS)}")
     return MODELS[name]
 
 
@@ -190,7 +191,8 @@ def _resolve(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
     unknown = sorted(set(options) - set(known))
     if unknown:
         allowed = ", ".join(known)
-        raise UsageError(f"model.{unknown[0]} is not an option of model {name!r} (allowed: {allowed})")
+        raise UsageError(f"model.{unknown[0]} is not an option of model {name!r}"
+                         f"{did_you_mean(unknown[0], known)}; allowed: {allowed}")
     resolved = {key: option.check(f"model.{key}", options.get(key, option.default))
                 for key, option in spec.options.items()}
     # Common options are written out only when given: a config without them resolves
@@ -224,8 +226,12 @@ def build_model(name: str, in_channels: int, num_classes: int, image_size: int,
     """Build model `name` for square images of side `image_size`; unknown options are errors."""
     spec = _spec(name)
     if image_size < spec.min_image_size:
-        raise UsageError(f"model.name {name!r} needs images of at least "
-                         f"{spec.min_image_size}x{spec.min_image_size}, got {image_size}x{image_size}")
+        side = f"{image_size}x{image_size}"
+        fits = [n for n, s in MODELS.items()
+                if s.modality == spec.modality and s.min_image_size <= image_size]
+        raise UsageError(f"model.name {name!r} needs images of at least {spec.min_image_size}x"
+                         f"{spec.min_image_size}, got {side}; models for {side}: "
+                         f"{', '.join(map(repr, fits)) or 'none'}")
     options = _resolve(name, options)
     proj_dim = options.pop("proj_dim", 0)
     module = spec.cls(in_channels, num_classes, image_size, **options)
