@@ -6,3 +6,7 @@ collectives and everything a run produces goes into one HDF5 file.
 """
 
 __version__ = "0.1.0"
+
+from .api import Preempted, RunDiverged, run   # noqa: E402  (light: no torch until called)
+
+__all__ = ["Preempted", "RunDiverged", "__version__", "run"]

@@ -7,11 +7,12 @@ without touching an existing results file.
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import click
 
-from .errors import UsageError, one_line_errors, say, warn
+from .errors import UsageError, did_you_mean, one_line_errors, say
 from .signals import launcher_rank as _launcher_rank   # light: no torch
 
 EXIT_FAILED, EXIT_INTERRUPTED = 1, 130   # 130: killed by SIGINT, by convention
@@ -32,10 +33,32 @@ class _CommandLineError(click.UsageError):
         self.root, self.path = root, error.ctx.command_path if error.ctx is not None else path
 
     def show(self, file=None) -> None:
+        spaced = _spaced_set_value(self.ctx, self.format_message())
+        if spaced:
+            say(spaced)
+            return
         command = self.path[len(self.root):].strip()   # `run` of `python -m fedmpi run`
         message = self.format_message().rstrip(".")
         say(f"{command + ': ' if command else ''}{message[:1].lower()}{message[1:]} "
             f"(see {self.path} --help)")
+
+
+def _spaced_set_value(ctx, message: str) -> str | None:
+    """`fedmpi run exp.toml --set train.lr 0.1`: click's "unexpected extra argument (0.1)"
+    said as what was meant (`--set train.lr=0.1`), or None."""
+    extra = re.fullmatch(r"Got unexpected extra arguments? \((.*)\)\.?", message)
+    overrides = ctx.params.get("overrides") if ctx is not None and extra else None
+    if not overrides:
+        return None
+    from .config.sources import refuse_spaced_value
+
+    positionals = [ctx.params.get(p.name) for p in ctx.command.params
+                   if isinstance(p, click.Argument)] + extra.group(1).split()
+    try:
+        refuse_spaced_value(overrides, positionals)
+    except UsageError as error:
+        return str(error)
+    return None
 
 
 class _Commands(click.Group):
@@ -105,6 +128,7 @@ def _config_options(command):
 def _resolve(config_file, preset, overrides, output=None):
     from . import config as cfg
 
+    cfg.sources.refuse_spaced_value(overrides, [config_file])   # `--set train.lr 0.1`
     overrides = list(overrides) + ([f"output={cfg.toml_value(output)}"] if output else [])
     config = cfg.resolve(config_file, preset, overrides)
     if _launcher_rank() == 0:   # stderr: `fedmpi config > exp.toml` stays clean TOML
@@ -141,7 +165,8 @@ def run(config_file, preset, overrides, output, force, resume_file, quiet):
             return
     else:
         config = _resolve(config_file, preset, overrides, output)
-        _check_output(config.output_path(), force)
+        from .api import prepare
+        prepare(config, force)
     path = config.output_path()
     streams.keep_going(f"the run goes on without progress lines; follow it with: "
                        f"fedmpi watch {path}")
@@ -162,81 +187,21 @@ def run(config_file, preset, overrides, output, force, resume_file, quiet):
             click.echo(f"fedmpi: run diverged; results so far in {path}", err=True)
             sys.exit(EXIT_FAILED)
         if not quiet:
-            click.echo(f"results: {path}")
-
-
-def _check_output(path, force: bool) -> None:
-    """A new run's results file: never a directory, never a live run's file, an existing
-    one only with --force, and a directory it can be written in; before any MPI work."""
-    from pathlib import Path
-
-    if path.is_dir():
-        raise UsageError(f"results file {path} is a directory; give a file path such as "
-                         f"{path / 'run.h5'} with -o/--output")
-    from .results.writer import refuse_foreign
-
-    refuse_foreign(path)   # not a results file: never overwritten, --force or not
-    if path.exists() and not force:
-        raise UsageError(f"results file {path} exists; pass --force to overwrite it, "
-                         f"--resume {path} to continue it, or choose another with -o/--output")
-    _refuse_live_writer(path)
-    parent = Path(path).absolute().parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise UsageError(f"results file {path}: {parent} is not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise UsageError(f"results file {path}: cannot write in {parent} (permission denied "
-                         f"or a read-only file system); choose another with -o/--output")
-
-
-def _refuse_live_writer(path) -> None:
-    from .results import lock
-
-    holder = lock.holder(path)
-    if holder is not None:
-        raise UsageError(lock.busy_message(path, holder))
+            from .analysis.run_summary import closing_lines
+            click.echo("\n".join(closing_lines(path)))
 
 
 def _resume_config(path, other_arguments):
     """The config of the run in ``path``, writing to ``path``; None if it already completed."""
-    from pathlib import Path
-
-    from .config import from_dict
-    from .config.since import as_started
-    from .results import RunFile, liveness
-    from .results.writer import damaged
+    from .api import resume_config
 
     if other_arguments:
         raise UsageError("--resume FILE takes the config from FILE: drop the config file, "
                          "--preset, --set, -o and --force")
-    if Path(path).is_dir():
-        raise UsageError(f"--resume {path}: is a directory; give the run's results file (.h5)")
-    if Path(path).is_file():
-        _refuse_live_writer(path)
-        if _launcher_rank() == 0:   # the others exit 2 quietly, as with every usage error
-            problem = damaged(path)
-            if problem:
-                raise UsageError(problem)
-    with RunFile(path) as run:
-        status, values, writer = run.status, run.config, run.attrs.get("writer")
-        start = run.start_dir
-    if status == "running" and liveness.state(writer) == liveness.ALIVE:
-        from .results.lock import busy_message
-        raise UsageError(busy_message(path, writer))
-    if status == "completed":
-        if _launcher_rank() == 0:
-            click.echo(f"{path}: run already completed; nothing to resume")
-        return None
-    if start is not None and not start.samefile("."):
-        # the run's relative paths (data.path, state_dir, ...) point from where it started
-        path = os.path.abspath(path)
-        os.chdir(start)
-    values["output"] = str(path).replace("{", "{{").replace("}", "}}")
-    for line in as_started(values):
-        if _launcher_rank() == 0:
-            warn(f"fedmpi: {path}: {line}")
-    return from_dict(values)
+    config, _ = resume_config(path, speak=_launcher_rank() == 0)
+    if config is None and _launcher_rank() == 0:
+        click.echo(f"{path}: run already completed; nothing to resume")
+    return config
 
 
 @main.command("config")
@@ -250,12 +215,15 @@ def show_config(config_file, preset, overrides):
 
 
 @main.command()
+@one_line_errors
 def presets():
-    """List the named presets."""
+    """List the named presets, each with the first line of its file (what it runs)."""
     from .config import presets as names
+    from .config.sources import preset_description
 
+    width = max(map(len, names()))
     for name in names():
-        click.echo(name)
+        click.echo(f"{name:<{width}}  {preset_description(name)}".rstrip())
 
 
 def _plugin_option(what: str):
@@ -277,8 +245,8 @@ def algorithms(names, plugins):
     import_plugins(list(plugins))
     for name in names:
         if name not in REGISTRY:
-            raise UsageError(f"algorithm {name!r} does not exist; choose from "
-                             f"{', '.join(sorted(REGISTRY))}")
+            raise UsageError(f"algorithm {name!r} does not exist{did_you_mean(name, REGISTRY)}; "
+                             f"choose from {', '.join(sorted(REGISTRY))}")
     for name in dict.fromkeys(names) or sorted(REGISTRY):
         cls = REGISTRY[name]
         click.echo(f"{name}  ({cls.paper})")

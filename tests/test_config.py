@@ -8,7 +8,7 @@ def test_default_preset_resolves():
     c = cfg.resolve()
     assert c.name == "default" and c.algorithm.name == "fedavg"
     assert c.data.dataset == "mnist5k"
-    assert str(c.output_path()) == "runs/default-fedavg-seed0.h5"
+    assert str(c.output_path()) == f"runs/default-fedavg-seed0-{c.digest()}.h5"
 
 
 def test_overrides_take_precedence_and_are_typed():

@@ -95,3 +95,18 @@ def test_an_unchanged_npz_still_loads(tmp_path):
     path = _npz_claiming(tmp_path / "d.npz", 120)
     assert load_dataset("arrays", path=str(path)).train_x.shape == (120, 5)
 
+
+
+def test_an_npz_holding_one_array_twice_is_refused(tmp_path):
+    import warnings
+
+    path = _npz_claiming(tmp_path / "d.npz", 120)
+    with zipfile.ZipFile(path) as archive:
+        y = archive.read("y_train.npy")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # zipfile warns of the duplicate name: the point
+        with zipfile.ZipFile(path, "a") as archive:
+            archive.writestr("y_train.npy", y)
+    with pytest.raises(UsageError, match=r"d.npz: holds the array 'y_train' twice \(two members "
+                                         r"of one name in the zip\); each array once$"):
+        load_dataset("arrays", path=str(path))

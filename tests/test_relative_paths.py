@@ -83,3 +83,40 @@ def test_evaluate_from_another_directory_reads_the_runs_relative_paths(tmp_path)
         evals = run.evals()
     assert evals["posthoc"][-1] == 1 and evals["linear_acc"][-1] == row["linear_acc"]
     assert evals["linear_acc"][-1] == evals["linear_acc"][0]   # the same data, the same draws
+
+
+def test_a_config_files_inputs_point_from_its_folder(tmp_path):
+    """`fedmpi run configs/c.toml` from the project root: data.path = "d.npz" is the one
+    beside the config file, recorded absolute; outputs still go where the run starts."""
+    start, other = _experiment(tmp_path, rounds=1, clients={"num": 3, "per_round": 3})
+    (other / "d.npz").unlink()
+    proc = fedmpi(["run", "-q", start / "c.toml", "-o", "r.h5"], cwd=other)
+    assert proc.returncode == 0, proc.stderr
+    with RunFile(other / "r.h5") as run:
+        assert run.config["data"]["path"] == str(start / "d.npz")
+    # --set paths point from the current directory, as a shell's do
+    proc = fedmpi(["config", "--set", "data.dataset=arrays", "--set", "data.path=d.npz",
+                   "--set", "model.name=mlp"], cwd=start)
+    assert proc.returncode == 0 and 'path = "d.npz"' in proc.stdout, proc.stderr
+
+
+def test_a_path_found_only_under_the_old_rule_is_one_line_naming_both(tmp_path):
+    start, other = _experiment(tmp_path, rounds=1)
+    (start / "d.npz").unlink()   # only other/d.npz: where a run from other/ looked before
+    proc = fedmpi(["run", start / "c.toml", "-o", "r.h5"], cwd=other)
+    assert proc.returncode == 2 and not (other / "r.h5").exists()
+    assert proc.stderr == (
+        f"fedmpi: config field data.path: 'd.npz' is read relative to the config file's "
+        f"folder, as {start / 'd.npz'}, which does not exist ({other / 'd.npz'} does: write "
+        f"the path relative to {start / 'c.toml'} or as an absolute path)\n")
+
+
+def test_a_missing_relative_path_is_named_absolute(tmp_path):
+    start, other = _experiment(tmp_path, rounds=1)
+    (start / "d.npz").unlink()
+    (other / "d.npz").unlink()
+    proc = fedmpi(["run", "c.toml", "-o", "r.h5"], cwd=start)
+    assert proc.stderr == f"fedmpi: config field data.path: {start / 'd.npz'} does not exist\n"
+    proc = fedmpi(["config", "--set", "data.dataset=arrays", "--set", "data.path=nope/d.npz"],
+                  cwd=other)
+    assert proc.stderr == f"fedmpi: config field data.path: {other / 'nope' / 'd.npz'} does not exist\n"

@@ -182,7 +182,11 @@ def clean_environment() -> dict[str, str]:
 
 def check_default_run(clone: Path) -> str | None:
     """The README's claims about `fedmpi run`: its file, round 0 near chance, >= 0.9 at the end."""
-    path = clone / "runs" / "default-fedavg-seed0.h5"
+    found = sorted((clone / "runs").glob("default-fedavg-seed0-*.h5"))
+    if len(found) != 1:
+        return (f"expected one runs/default-fedavg-seed0-<digest>.h5 after `fedmpi run`, "
+                f"found {[p.name for p in found]}")
+    path = found[0]
     code = ("import h5py, sys\n"
             f"f = h5py.File({str(path)!r}, 'r')\n"
             "r, a = f['rounds/round'][:], f['rounds/test_acc'][:]\n"

@@ -16,7 +16,7 @@ import numpy as np
 
 from fedmpi.analysis import render
 from fedmpi.analysis.metrics import HOUR, traffic_per_round_mb
-from fedmpi.analysis.runs import get_key
+from fedmpi.analysis.runs import get_key, latest_rows
 from fedmpi.analysis.watch import duration, file_age
 from fedmpi.results import liveness, open_run, schema
 
@@ -41,6 +41,19 @@ def summarize(path) -> str:
     lines += _virtual(rounds)
     lines += _probes(evals)
     return "\n".join(f"{label:<{_WIDTH}}{text}" for label, text in lines)
+
+
+def closing_lines(path) -> list[str]:
+    """What `fedmpi run` prints as it ends: `watch`'s last word (rounds, final and best
+    accuracy, training time) and the FL traffic, then the file."""
+    from fedmpi.analysis.watch import ending
+
+    with open_run(path) as run:
+        attrs, config, status = run.attrs, run.config, run.status
+        rounds = latest_rows(run.rounds(), by_block=False)
+    lines = [ending(path, status, rounds, config, attrs)]
+    lines += [f"{label}: {text}" for label, text in _traffic(rounds) if label == "FL traffic"]
+    return lines + [f"results: {path}"]
 
 
 def _status(attrs: dict, path) -> str:
@@ -232,9 +245,9 @@ def _virtual(rounds: dict) -> list[tuple[str, str]]:
     """The virtual clock's total (runs with system_model.profiles on) and the clients it
     dropped; nothing for a run without it."""
     clock = rounds.get("virtual_time")
-    if clock is None or not np.any(np.isfinite(clock)):
+    if clock is None or np.all(np.isnan(clock)):
         return []
-    total = float(clock[np.isfinite(clock)][-1])
+    total = float(clock[~np.isnan(clock)][-1])   # inf where the clock overflowed
     text = f"{render.hours(total / HOUR, None)} h ({total:.1f} s) on the simulated deployment"
     dropped = rounds.get("n_dropped")
     if dropped is not None and np.any(np.isfinite(dropped)):

@@ -7,6 +7,8 @@ dataset, the partition kind, the model, the algorithm), which checks them.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -222,7 +224,7 @@ class ExperimentConfig:
     name: str = "experiment"
     seed: int = 0
     rounds: int = 20
-    output: str = "runs/{name}-{algorithm}-seed{seed}.h5"
+    output: str = "runs/{name}-{algorithm}-seed{seed}-{digest}.h5"
     plugins: list = field(default_factory=list)   # modules that register algorithms/models
     data: DataConfig = field(default_factory=DataConfig)
     partition: PartitionConfig = field(default_factory=PartitionConfig)
@@ -241,9 +243,22 @@ class ExperimentConfig:
         return Path(self.output.format(**self.placeholders())).expanduser()
 
     def placeholders(self) -> dict:
-        """What ``output`` may name: {name} {algorithm} {dataset} {seed}."""
+        """What ``output`` may name: {name} {algorithm} {dataset} {seed} {digest}."""
         return {"name": self.name, "algorithm": self.algorithm.name,
-                "dataset": self.data.dataset, "seed": self.seed}
+                "dataset": self.data.dataset, "seed": self.seed, "digest": self.digest()}
+
+    def digest(self) -> str:
+        """8 hex digits that differ when the config differs: the sha256 of every value that
+        is not the schema's default, ``output`` aside. The default results file name
+        carries it, so a second run with other ``--set`` values gets a file of its own
+        (it met "results file ... exists"), and the same config the same name (its
+        --resume and --force keep working). Fields that keep their default are left out, so
+        a field added to the schema later leaves existing configs' names alone."""
+        defaults = _flat(ExperimentConfig().to_dict())
+        changed = {k: v for k, v in _flat(self.to_dict()).items()
+                   if k != "output" and (k not in defaults or defaults[k] != v)}
+        text = json.dumps(changed, sort_keys=True, default=repr)
+        return hashlib.sha256(text.encode()).hexdigest()[:8]
 
     def to_dict(self) -> dict:
         """The resolved config as nested plain data; open sections are flattened back."""
@@ -253,5 +268,18 @@ class ExperimentConfig:
         return out
 
 
+def _flat(values: dict, prefix: str = "") -> dict:
+    """Nested sections -> {"train.lr": 0.1, ...}; lists and tables in a value stay whole."""
+    out = {}
+    for key, value in values.items():
+        if isinstance(value, dict) and prefix + key in _SECTIONS:
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
 # Sections whose unknown keys are passed on (validated by the dataset, model or algorithm).
 OPEN_SECTIONS = {"data": "options", "partition": "params", "model": "options", "algorithm": "params"}
+_SECTIONS = {f.name for f in dataclasses.fields(ExperimentConfig)
+             if dataclasses.is_dataclass(f.default_factory() if callable(f.default_factory) else None)}

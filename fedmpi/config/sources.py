@@ -6,13 +6,15 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import shlex
 import tomllib
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from ..errors import UsageError
+from ..errors import UsageError, did_you_mean
 from .coerce import type_hints
+from .paths import anchor_inputs
 from .schema import ExperimentConfig
 from .validate import from_dict
 
@@ -20,6 +22,15 @@ from .validate import from_dict
 def presets() -> list[str]:
     root = resources.files("fedmpi.presets")
     return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".toml"))
+
+
+def preset_description(name: str) -> str:
+    """The first line of preset ``name``'s file, a ``# ...`` comment (``fedmpi presets``
+    lists it): a comment, so that the config, and every run's bits, stay as they were."""
+    _preset(name)   # an unknown name: the one-line error
+    text = resources.files("fedmpi.presets").joinpath(f"{name}.toml").read_text()
+    first = text.partition("\n")[0]
+    return first[1:].strip() if first.startswith("#") else ""
 
 
 def _read_toml(text: str, origin: str) -> dict:
@@ -39,7 +50,8 @@ def load_preset(name: str) -> dict:
 def _preset(name: str) -> dict:
     """A preset is package data: read once (a sweep resolves it for each of its cells)."""
     if name not in presets():
-        raise UsageError(f"preset {name!r} does not exist; available: {', '.join(presets())}")
+        raise UsageError(f"preset {name!r} does not exist{did_you_mean(str(name), presets())}; "
+                         f"available: {', '.join(presets())}")
     text = resources.files("fedmpi.presets").joinpath(f"{name}.toml").read_text()
     return _read_toml(text, f"preset {name}")
 
@@ -95,6 +107,23 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     except RecursionError:
         raise UsageError(f"--set {key.strip()}=...: value nested too deeply") from None
     return key.strip().split("."), value
+
+
+def refuse_spaced_value(overrides, positionals) -> None:
+    """``--set train.lr 0.1`` (a space for the ``=``, or ``--set train.lr= 0.1``): the
+    shell hands click ``0.1`` as the config file or an extra argument, which failed as
+    "config file 0.1 does not exist". An ``--set`` without a value beside a positional
+    that names no file is that mistake: say what was meant, in one line."""
+    bare = [text for text in overrides if "=" not in text or text.endswith("=")]
+    strays = [p for p in positionals if isinstance(p, str) and p and not _names_a_file(p)]
+    if bare and strays:
+        key = bare[0].rstrip("=").strip()
+        raise UsageError(f"--set {key}: expected KEY=VALUE; did you mean "
+                         f"--set {shlex.quote(f'{key}={strays[0]}')}?")
+
+
+def _names_a_file(text: str) -> bool:
+    return text.endswith((".toml", ".h5")) or Path(text).exists()
 
 
 # The key that chooses what an open section's extra keys mean: changing it by an override
@@ -206,16 +235,23 @@ def _algorithm_defaults(name) -> dict:
 
 
 def resolve(path: str | None = None, preset: str | None = None,
-            overrides: list[str] = ()) -> ExperimentConfig:
+            overrides: list[str] = (), values: dict | None = None) -> ExperimentConfig:
     """File or preset (default preset ``default``), then ``--set`` overrides, validated.
+    ``values`` (``fedmpi.run`` from Python) stands for a config file's contents; a file's
+    relative input paths point from its folder (``paths.anchor_inputs``).
 
     The config also carries ``algorithm_param_sources`` (parameter -> "default", "preset",
     "config file" or "command line") and ``algorithm_notes`` (the lines saying which
     parameters a change of algorithm dropped; ``fedmpi`` prints them on rank 0)."""
-    if path and preset:
+    if sum(x is not None and x != "" for x in (path, preset, values)) > 1:
         raise UsageError("give a config file or --preset, not both")
-    values = load_file(path) if path else load_preset(preset or "default")
-    origin = FILE if path else PRESET
+    origin = FILE if path or values is not None else PRESET
+    if path:
+        values = anchor_inputs(load_file(path), path)
+    elif values is None:
+        values = load_preset(preset or "default")
+    else:
+        values = copy.deepcopy(values)
     table = values.get("algorithm")
     sources = ({k: origin for k in table if k not in _FIXED_ALGORITHM}
                if isinstance(table, dict) else {})

@@ -15,13 +15,13 @@ from fedmpi.data.augment import augment, to_float
 from fedmpi.data.partition import (Partition, class_counts, dirichlet, iid, make_partition,
                                    natural, partition_params, pathological, quantity)
 from fedmpi.data.registry import (DATASETS, MODALITIES, DatasetSpec, available_datasets,
-                                  check_dataset, check_dataset_options, dataset_modality,
+                                  check_dataset, check_present, check_dataset_options, dataset_modality,
                                   load_dataset, register)
 from fedmpi.data.sources import Dataset
 
 __all__ = [
     "DATASETS", "MODALITIES", "Dataset", "DatasetSpec", "Partition", "augment",
-    "available_datasets", "check_dataset", "check_dataset_options", "class_counts",
+    "available_datasets", "check_dataset", "check_present", "check_dataset_options", "class_counts",
     "dataset_modality", "dirichlet", "from_arrays", "iid", "load_dataset", "make_partition",
     "natural", "partition_params", "pathological", "quantity", "register", "to_float",
 ]

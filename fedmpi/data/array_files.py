@@ -120,7 +120,12 @@ def _read_npz(file: Path) -> dict[str, np.ndarray]:
     out = {}
     try:
         with zipfile.ZipFile(file) as archive:
-            for member in archive.namelist():
+            names = archive.namelist()
+            twice = sorted({n for n in names if names.count(n) > 1})
+            if twice:   # numpy reads one of them, silently
+                _fail(file, f"holds the array {twice[0].removesuffix('.npy')!r} twice (two "
+                            f"members of one name in the zip); each array once")
+            for member in names:
                 if member.endswith(".npy"):
                     try:
                         _npy_header(file, archive, member)

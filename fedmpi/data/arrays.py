@@ -64,8 +64,8 @@ def _file(path) -> Path:
     if file.suffix.lower() not in SUFFIXES:
         raise UsageError(f"config field data.path: {path} is not an .npz or HDF5 file name "
                          f"(.npz, .h5, .hdf5)")
-    if not file.exists():
-        raise UsageError(f"config field data.path: {path} does not exist")
+    if not file.exists():   # the absolute path: a relative one says nothing of where it looked
+        raise UsageError(f"config field data.path: {file.absolute()} does not exist")
     if not file.is_file():   # a link to /dev/zero: np.load read it until the node ran out
         raise UsageError(f"config field data.path: {path} is not a regular file (a device, "
                          f"a pipe or a socket); give the .npz or HDF5 file")

@@ -174,6 +174,16 @@ def _call_loader(name: str, load, data_dir, seed, options):
                          f"{type(exc).__name__}{': ' + detail if detail else ''}") from None
 
 
+def check_present(name: str, data_dir: str | None = None, seed: int = 0, **options) -> None:
+    """Before a run claims its results file: a dataset whose files are not where its
+    ``locate`` looks fails now, in its loader's own words (which file is missing where),
+    not after "results file ... exists" sent the user to the wrong problem. Only a
+    dataset reported missing is loaded here, and its loader fails at once."""
+    spec = _lookup(name)
+    if spec.locate is not None and spec.locate(data_dir) is None:
+        load_dataset(name, data_dir, seed, **options)
+
+
 def available_datasets(data_dir: str | None = None) -> list[tuple[str, str | None]]:
     """(name, where found or None) for every registered dataset, for `fedmpi datasets`.
 

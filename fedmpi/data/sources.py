@@ -233,7 +233,7 @@ def _load_idx_dataset(name: str, directory: Path) -> Dataset:
     paths = [_find_idx(directory, stem) for stem in IDX_FILES]
     for stem, path in zip(IDX_FILES, paths):
         if path is None:
-            raise UsageError(f"data_dir {directory}: missing {stem}[.gz] for dataset {name!r}")
+            raise UsageError(f"data_dir {directory.absolute()}: missing {stem}[.gz] for dataset {name!r}")
     trx, try_, tex, tey = (read_idx(p) for p in paths)
     for images, labels, path in ((trx, try_, paths[0]), (tex, tey, paths[2])):
         if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
@@ -327,7 +327,8 @@ def _find_cifar(data_dir, folder: str, probe: str) -> Path | None:
 def _load_cifar(name, data_dir, folder, train_files, test_file, label_key, num_classes):
     directory = _find_cifar(data_dir, folder, test_file)
     if directory is None:
-        found = f"no {test_file} in data_dir {data_dir} or its {folder}/" if data_dir else "none given"
+        found = (f"no {test_file} in data_dir {Path(data_dir).expanduser().absolute()} or its "
+                 f"{folder}/" if data_dir else "none given")
         raise UsageError(f"dataset {name!r} needs data_dir = the {folder}/ folder or its parent ({found})")
     parts = [_read_batch(directory / f, label_key) for f in train_files]
     train = (np.concatenate([x for x, _ in parts]), np.concatenate([y for _, y in parts]))
