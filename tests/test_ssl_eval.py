@@ -210,6 +210,36 @@ def test_fine_tune_beats_chance_copies_encoder_and_is_deterministic():
         fine_tune(enc, x, y, tx, ty, 3, torch.Generator(), epochs=2, eval_epochs=[3])
 
 
+def test_fine_tune_of_unnormalised_features_collapses_raw_and_learns_with_l2():
+    """The encoder of a CNN without normalisation layers: the same features times 200
+    (norms in the hundreds, as the McMahan CNN's). FedU^2's head lr 0.3 with momentum
+    wrecks it under the raw head, to chance, as the FedU^2 pilot's probe did; the l2 head
+    is scale-free, so the scaled encoder scores what the unscaled one does."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(1, 4, 3, padding=1)
+    x, y = bars(20, 0)
+    tx, ty = bars(20, 1)
+
+    def tuned(scale, head_input):
+        enc = nn.Sequential(conv, nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten(), _Times(scale))
+        return fine_tune(enc, x, y, tx, ty, 3, torch.Generator().manual_seed(2), epochs=6,
+                         batch_size=16, eval_epochs=[6], head_input=head_input).best
+
+    assert tuned(200.0, "raw") <= 0.4                      # chance: 1/3
+    assert tuned(200.0, "l2") == tuned(1.0, "l2") > 0.6
+    with pytest.raises(UsageError, match="head_input='bn': must be 'raw' or 'l2'"):
+        tuned(1.0, "bn")
+
+
+class _Times(nn.Module):
+    def __init__(self, scale):
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, x):
+        return x * self.scale
+
+
 # ---- spectrum ----------------------------------------------------------------------------
 
 def with_covariance(n, variances, dim, seed=0):
@@ -241,3 +271,13 @@ def test_effective_rank_isotropic_and_rank_one():
     assert effective_rank(feature_spectrum(rank_one)) == pytest.approx(1, abs=1e-6)
     assert effective_rank(torch.tensor([3.0, 1.0])) == pytest.approx(
         math.exp(-(0.75 * math.log(0.75) + 0.25 * math.log(0.25))))
+
+
+def test_the_fine_tuning_head_is_a_config_choice():
+    from fedmpi import config as cfg
+
+    assert cfg.resolve(preset="fussl_fmnist_silo").eval.finetune_head == "raw"   # FedU^2's code
+    assert cfg.resolve(preset="fussl_fmnist_silo",
+                       overrides=["eval.finetune_head=l2"]).eval.finetune_head == "l2"
+    with pytest.raises(UsageError, match=r"^config field eval.finetune_head: 'bn' is not allowed"):
+        cfg.resolve(preset="fussl_fmnist_silo", overrides=["eval.finetune_head=bn"])

@@ -128,6 +128,10 @@ class EvalConfig:
     linear_epochs: int = 200           # linear probe: Adam lr 3e-3, batch 512 (FedU^2 code)
     finetune_epochs: int = 200         # fine-tuning: SGD, batch 128, crop + flip (FedU^2 code)
     finetune_fractions: list[float] = field(default_factory=lambda: [0.01, 0.1])
+    finetune_head: str = "raw"         # what the fine-tuning head sees: raw (the encoder's
+                                       # features, FedU^2 code; set for ResNet-18's) | l2 (each
+                                       # feature row divided by its norm: a CNN without
+                                       # normalisation layers collapsed to chance under raw)
     local_spectra: bool = False        # also the spectrum of each client's local model on probe
                                        # rounds (FedU^2 Figure 3's local models), /local_spectra
 

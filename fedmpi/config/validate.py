@@ -531,6 +531,7 @@ def _validate_sampling(c: ExperimentConfig) -> None:
 
 
 PROBES = ("linear", "finetune", "spectrum")
+FINETUNE_HEADS = ("raw", "l2")
 PRECISIONS = ("fp32", "tf32", "bf16")
 
 
@@ -544,6 +545,7 @@ def _validate_probes(c: ExperimentConfig) -> None:
     _positive("eval.probe_every", e.probe_every, allow_zero=True)
     for name in ("eval.linear_epochs", "eval.finetune_epochs"):
         _positive(name, getattr(e, name.split(".")[1]))
+    _one_of("eval.finetune_head", e.finetune_head, FINETUNE_HEADS)
     if not e.finetune_fractions or not all(0 < f <= 1 for f in e.finetune_fractions):
         raise field_error("eval.finetune_fractions",
                           f"must be fractions in (0, 1], got {e.finetune_fractions}")

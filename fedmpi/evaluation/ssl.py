@@ -340,21 +340,33 @@ def _accuracy(model: nn.Module, x, y, prepare, chunk_size: int) -> float:
     return int(correct) / len(x)  # host sync: once per evaluation, its result
 
 
+class _RowNorm(nn.Module):
+    """Each row divided by its L2 norm (the kNN monitor's z), as a layer."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.normalize(x, dim=1)
+
+
 def fine_tune(encoder: nn.Module, train_x: torch.Tensor, train_y: torch.Tensor,
               test_x: torch.Tensor, test_y: torch.Tensor, num_classes: int,
               generator: torch.Generator, *, prepare: Prepare | None = None, epochs: int = 200,
               eval_epochs: Sequence[int] | None = None, lr_encoder: float = 1e-3,
               lr_head: float = 0.3, momentum: float = 0.9, batch_size: int = 128,
               augment: Augment | None = random_resized_crop_flip,
-              chunk_size: int = 512) -> FineTuneResult:
+              chunk_size: int = 512, head_input: str = "raw") -> FineTuneResult:
     """Train a copy of `encoder` + Linear(F, C) on the labelled (train_x, train_y).
 
     Batches: prepare(train_x[batch]) then augment(x, generator). SGD with momentum, lr
     `lr_encoder` for the encoder and `lr_head` for the head; test accuracy after each
     epoch in `eval_epochs` (default: epochs // 2 and epochs, as [code] 100 and 200).
     Randomness (head init, order, augmentation) from `generator`; the caller's encoder is
-    never modified.
+    never modified. ``head_input`` "l2": the head sees each feature row divided by its
+    norm. FedU^2's head lr 0.3 was set for ResNet-18's features; on an encoder without
+    normalisation layers (the CNN, feature norms in the hundreds) the raw head's first
+    steps wreck it and the accuracy falls to chance.
     """
+    if head_input not in ("raw", "l2"):
+        raise UsageError(f"head_input={head_input!r}: must be 'raw' or 'l2'")
     for name, value in (("num_classes", num_classes), ("epochs", epochs),
                         ("batch_size", batch_size), ("chunk_size", chunk_size)):
         _positive(name, value)
@@ -366,9 +378,10 @@ def fine_tune(encoder: nn.Module, train_x: torch.Tensor, train_y: torch.Tensor,
     body = copy.deepcopy(encoder)
     device = next(body.parameters()).device
     feature_dim = features(body, train_x[:1], prepare).shape[1]
-    model = nn.Sequential(body, _linear(feature_dim, num_classes, generator, device))
+    head = _linear(feature_dim, num_classes, generator, device)
+    model = nn.Sequential(body, _RowNorm(), head) if head_input == "l2" else nn.Sequential(body, head)
     optimizer = torch.optim.SGD([{"params": body.parameters(), "lr": lr_encoder},
-                                 {"params": model[1].parameters(), "lr": lr_head}], momentum=momentum)
+                                 {"params": head.parameters(), "lr": lr_head}], momentum=momentum)
     accuracy = {}
     for epoch in range(1, epochs + 1):
         model.train()

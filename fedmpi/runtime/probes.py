@@ -37,7 +37,8 @@ def run(comm, encoder, data, num_classes: int, config, round_: int, local=None):
             subset_seed = key_seed(seed, "labelled", round(task[1] * 1e6))
             results[probe_column(task)] = run_probe(
                 task, encoder, data, num_classes, subset_seed, key_seed(seed, "probe", round_, i),
-                linear_epochs=e.linear_epochs, finetune_epochs=e.finetune_epochs)
+                linear_epochs=e.linear_epochs, finetune_epochs=e.finetune_epochs,
+                finetune_head=e.finetune_head)
         if "spectrum" in e.probes:
             chunks = spectrum_worker(encoder, data, comm.worker_index, comm.num_workers)
     parts = comm.gather_obj((results, chunks, local or {}))
