@@ -13,11 +13,16 @@ sys.path.insert(0, str(ROOT / "tools"))
 import preset_fingerprints  # noqa: E402
 
 
+SHARDS = 4   # the suite's workers share the cases (a single test of 38 was its longest)
+
+
 @pytest.mark.slow
-def test_every_preset_and_algorithm_gives_the_stored_bits():
-    canary, found = preset_fingerprints.all_fingerprints()
+@pytest.mark.parametrize("shard", range(SHARDS))
+def test_every_preset_and_algorithm_gives_the_stored_bits(shard):
+    only = sorted(preset_fingerprints.cases())[shard::SHARDS]
+    canary, found = preset_fingerprints.all_fingerprints(processes=1, only=only)
     stored = json.loads(preset_fingerprints.STORED.read_text())
-    verdict, message = preset_fingerprints.compare(stored, canary, found)
+    verdict, message = preset_fingerprints.compare(stored, canary, found, only=only)
     if verdict == "no set":
         pytest.skip(message)
     assert verdict == "same", message
@@ -64,3 +69,17 @@ def test_each_librarys_pin_moves_the_canary():
     for change in ({"MKL_CBWR": "COMPATIBLE"}, {"ATEN_CPU_CAPABILITY": "default"},
                    {"ONEDNN_MAX_CPU_ISA": "SSE41"}, {"OPENBLAS_CORETYPE": "Sandybridge"}):
         assert canary(**change) != pinned, change
+
+
+def test_a_shard_compares_its_cases_and_still_sees_cases_added_or_removed():
+    names = sorted(preset_fingerprints.cases())
+    fp = {c: {"model": "1", "rounds": "r", "clients": "c"} for c in names}
+    stored = {"aaaa": {"cpu": "A", "fingerprints": fp}}
+    one = names[:1]
+    assert preset_fingerprints.compare(stored, "aaaa", {one[0]: fp[one[0]]}, only=one)[0] == "same"
+    changed = {one[0]: {**fp[one[0]], "model": "2"}}
+    assert preset_fingerprints.compare(stored, "aaaa", changed, only=one)[0] == "changed"
+    fewer = {"aaaa": {"cpu": "A", "fingerprints": {c: fp[c] for c in names[1:]}}}
+    verdict, message = preset_fingerprints.compare(fewer, "aaaa", {names[1]: fp[names[1]]},
+                                                   only=names[1:2])
+    assert verdict == "changed" and "cases added or removed" in message and names[0] in message

@@ -161,11 +161,11 @@ def kernel_canary() -> str:
     return digest.hexdigest()[:16]
 
 
-def all_fingerprints(processes: int = 2) -> tuple[str, dict[str, dict[str, str]]]:
-    """(kernel canary, every case's fingerprints), in ``processes`` fresh processes at
-    once (each run uses one thread), whose kernels are pinned (``PINNED``): every process
-    starts, on demand, within this call, with PINNED in its environment before MKL,
-    oneDNN, ATen or OpenBLAS choose."""
+def all_fingerprints(processes: int = 2, only=None) -> tuple[str, dict[str, dict[str, str]]]:
+    """(kernel canary, every case's fingerprints; or those of the cases ``only``), in
+    ``processes`` fresh processes at once (each run uses one thread), whose kernels are
+    pinned (``PINNED``): every process starts, on demand, within this call, with PINNED in
+    its environment before MKL, oneDNN, ATen or OpenBLAS choose."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -176,7 +176,8 @@ def all_fingerprints(processes: int = 2) -> tuple[str, dict[str, dict[str, str]]
                 processes, mp_context=multiprocessing.get_context("spawn")) as pool:
             canary = pool.submit(kernel_canary)
             jobs = {case: pool.submit(fingerprint, case, preset, overrides, Path(tmp))
-                    for case, (preset, overrides) in cases().items()}
+                    for case, (preset, overrides) in cases().items()
+                    if only is None or case in only}
             return canary.result(), {case: job.result() for case, job in jobs.items()}
     finally:
         for name, value in saved.items():
@@ -186,9 +187,17 @@ def all_fingerprints(processes: int = 2) -> tuple[str, dict[str, dict[str, str]]
                 os.environ[name] = value
 
 
-def compare(stored: dict, canary: str, found: dict) -> tuple[str, str]:
+def compare(stored: dict, canary: str, found: dict, only=None) -> tuple[str, str]:
     """("same" | "changed" | "no set", what to say): ``found`` against the set stored
-    for machines of this ``canary``, or else the set whose canary was not recorded."""
+    for machines of this ``canary``, or else the set whose canary was not recorded;
+    ``only``: the cases ``found`` holds, of a set that must still name exactly ``cases()``."""
+    if only is not None:   # one shard: the whole set's cases first, then the shard's bits
+        which = canary if canary in stored else UNRECORDED
+        if which in stored and sorted(stored[which]["fingerprints"]) != sorted(cases()):
+            return compare(stored, canary, dict.fromkeys(cases()))
+        stored = {key: {**family, "fingerprints": {c: f for c, f in family["fingerprints"].items()
+                                                   if c in only}}
+                  for key, family in stored.items()}
     which = canary if canary in stored else UNRECORDED
     family = stored.get(which)
     if family is None:
