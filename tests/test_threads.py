@@ -77,49 +77,56 @@ def test_a_quota_on_any_ancestor_of_the_own_cgroup_binds(tmp_path):
 
 def test_explicit_threads_deterministic_and_the_server(node):
     node(cores=8, quota="100000 100000")
-    assert choose_threads(4, True, False, 3, local_workers=2) == 4   # system.threads wins
-    assert choose_threads(16, False, True, 3, local_workers=2) == 16
-    assert choose_threads(0, True, True, 3, local_workers=1) == 1
-    assert choose_threads(0, False, False, 3, local_workers=2) == 1  # the server waits
+    assert choose_threads(4, True, False, local_workers=2) == 4   # system.threads wins
+    assert choose_threads(16, False, True, local_workers=2) == 16
+    assert choose_threads(0, True, True, local_workers=1) == 1
+    assert choose_threads(0, False, False, local_workers=2) == 1  # the server waits
 
 
 def test_unbound_workers_split_the_node(node):
     node(cores=8)
-    assert choose_threads(0, False, True, 1, local_workers=1) == 8
-    assert choose_threads(0, False, True, 4, local_workers=3) == 2
-    assert choose_threads(0, False, True, 17, local_workers=16) == 1
-    assert choose_threads(0, False, True, 3, local_workers=0) == 8   # a server-only node's view
+    assert choose_threads(0, False, True, local_workers=1) == 8
+    assert choose_threads(0, False, True, local_workers=3) == 2
+    assert choose_threads(0, False, True, local_workers=16) == 1
+    assert choose_threads(0, False, True, local_workers=0) == 8   # a server-only node's view
 
 
-def test_local_workers_from_the_launcher_when_not_told(node):
-    env = node(cores=8)
-    env.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "1")
-    env.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "5")   # server + 4 workers
-    assert choose_threads(0, False, True, 5) == 2
+def test_the_node_s_workers_are_told_never_guessed_from_the_launcher(node):
+    """The launcher's variables count a node's ranks, not whether the server is one of
+    them: subtracting it on every node gave each of a node's 2 workers (the server on
+    another node) 2 threads on 2 cores, where 1 is right. The caller says how many
+    workers share the node (``node_workers``: MPI's shared-memory split)."""
+    env = node(cores=2)
+    env.setattr(os, "cpu_count", lambda: 2)          # a 2-core node, all of it usable
+    env.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "0")
+    env.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "2")   # 2 workers; the server elsewhere
+    with pytest.raises(TypeError, match="local_workers"):
+        choose_threads(0, False, True)
+    assert choose_threads(0, False, True, local_workers=2) == 1
 
 
 def test_a_bound_rank_uses_its_own_cores_undivided(node):
     node(cores=4)
-    assert choose_threads(0, False, True, 3, local_workers=2) == 4
+    assert choose_threads(0, False, True, local_workers=2) == 4
 
 
 def test_the_cgroup_quota_is_shared_by_the_node_s_workers(node):
     node(cores=8, quota="400000 100000")
-    assert choose_threads(0, False, True, 1, local_workers=1) == 4
-    assert choose_threads(0, False, True, 3, local_workers=2) == 2
-    assert choose_threads(0, False, True, 9, local_workers=8) == 1
+    assert choose_threads(0, False, True, local_workers=1) == 4
+    assert choose_threads(0, False, True, local_workers=2) == 2
+    assert choose_threads(0, False, True, local_workers=8) == 1
 
 
 def test_slurm_cpus_per_task_is_capped_by_affinity_and_quota(node):
     env = node(cores=8)
     env.setenv("SLURM_CPUS_PER_TASK", "6")
-    assert choose_threads(0, False, True, 2, local_workers=1) == 6
+    assert choose_threads(0, False, True, local_workers=1) == 6
     env = node(cores=2)   # bound to two cores
-    assert choose_threads(0, False, True, 2, local_workers=1) == 2
+    assert choose_threads(0, False, True, local_workers=1) == 2
     env = node(cores=8, quota="300000 100000")
-    assert choose_threads(0, False, True, 2, local_workers=1) == 3
+    assert choose_threads(0, False, True, local_workers=1) == 3
     env.setenv("SLURM_CPUS_PER_TASK", "0")
-    assert choose_threads(0, False, True, 2, local_workers=1) == 1
+    assert choose_threads(0, False, True, local_workers=1) == 1
 
 
 def test_load_warning_is_one_line_when_the_node_is_overloaded(monkeypatch):
@@ -152,7 +159,7 @@ IMPORT_SYSTEM_ONLY = (
     f"runtime.__path__ = [{str(ROOT / 'fedmpi' / 'runtime')!r}]\n"
     "sys.modules['fedmpi.runtime'] = runtime\n"
     "from fedmpi.runtime.system import choose_threads\n"
-    "print(choose_threads(0, False, True, 1, local_workers=1))\n")
+    "print(choose_threads(0, False, True, local_workers=1))\n")
 
 
 @pytest.mark.skipif(shutil.which("taskset") is None, reason="no taskset")

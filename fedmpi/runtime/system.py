@@ -58,13 +58,15 @@ def _slurm_tasks_on_node() -> int:
     return counts[int(node)] if int(node) < len(counts) else 1
 
 
-def choose_threads(requested: int, deterministic: bool, is_worker: bool, world_size: int,
-                   local_workers: int | None = None) -> int:
+def choose_threads(requested: int, deterministic: bool, is_worker: bool, *,
+                   local_workers: int) -> int:
     """Torch threads for this rank.
 
     Workers share the node's cores; the server (rank 0 of a multi-rank job) mostly
     waits and gets one. Deterministic runs use ``requested`` or 1 on every rank so that
-    kernels reduce in the same order whatever the layout.
+    kernels reduce in the same order whatever the layout. ``local_workers``: the workers
+    on this rank's node (`node_workers`), which the launcher's variables cannot say: they
+    count the node's ranks, not whether the server is one of them.
 
     Otherwise never more than the process may use: its affinity mask (all of it when the
     launcher bound the rank to its own cores, else this worker's share of it), its share
@@ -77,9 +79,6 @@ def choose_threads(requested: int, deterministic: bool, is_worker: bool, world_s
         return 1
     if not is_worker:
         return 1
-    if local_workers is None:   # not told (Comm.node_peers): the launcher's variables
-        _, local_size = local_rank_info()
-        local_workers = local_size - (1 if world_size > 1 else 0)
     share = max(local_workers, 1)
     affinity = _usable_cores()
     limit = affinity if affinity < (os.cpu_count() or affinity) else affinity // share
@@ -188,7 +187,8 @@ def load_warning(threads: int, cores: int | None = None) -> str | None:
         return None
     return (f"fedmpi: warning: load average {load:.1f} on {socket.gethostname()} exceeds its "
             f"{cores} cores at start-up; other work competes with this run's {threads} torch "
-            f"thread(s) per worker (system.threads sets another number)")
+            f"thread(s) per worker, so it may take several times longer than on an idle machine "
+            f"(system.threads sets another number)")
 
 
 def kernels(device: torch.device) -> str:

@@ -44,7 +44,7 @@ def build_world(config, comm, alg, *, run: bool = True) -> World:
     s = config.system
     tune_malloc()
     peers = node_workers(comm)
-    threads = choose_threads(s.threads, s.deterministic, comm.is_worker, comm.size,
+    threads = choose_threads(s.threads, s.deterministic, comm.is_worker,
                              local_workers=len(peers))
     torch.set_num_threads(threads)
 
