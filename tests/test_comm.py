@@ -60,7 +60,8 @@ def test_objects_between_ranks_must_be_host_data():
     import torch
 
     from fedmpi.comm.mpi import host_pickle
-    from fedmpi.evaluation.ssl import CovarianceSums, KnnPartial
+    from fedmpi.evaluation.spectrum import CovarianceSums
+    from fedmpi.evaluation.ssl import KnnPartial
 
     with pytest.raises(TypeError, match=r"comm.gather_obj: got a torch tensor \(device cpu, "
                                         r"shape \(2,\)\).*send tensor.detach\(\).cpu\(\).numpy\(\)"):

@@ -13,11 +13,11 @@ from torch import nn
 
 from fedmpi.errors import UsageError
 from fedmpi.evaluation import ssl as ssl_eval
-from fedmpi.evaluation.ssl import (KnnPartial, combine_covariance_sums, covariance_sums,
-                                   effective_rank, feature_spectrum, features, fine_tune,
-                                   knn_merge, knn_partial, knn_predict, knn_vote, linear_probe,
-                                   log10_spectrum, merge_partials, random_resized_crop_flip,
-                                   stratified_subset)
+from fedmpi.evaluation.spectrum import (combine_covariance_sums, covariance_sums, effective_rank,
+                                        feature_spectrum, log10_spectrum, spectrum_from_sums)
+from fedmpi.evaluation.ssl import (KnnPartial, features, fine_tune, knn_merge, knn_partial,
+                                   knn_predict, knn_vote, linear_probe, merge_partials,
+                                   random_resized_crop_flip, stratified_subset)
 
 
 def clusters(n_per_class, dim=16, classes=3, spread=0.3, seed=0):
@@ -259,7 +259,7 @@ def test_spectrum_recovers_known_covariance_and_shards():
     assert s[3:].abs().max() < 1e-9 and torch.all(s[:-1] >= s[1:])
     cuts = [(0, 0), (0, 1), (1, 150), (150, 150), (150, 151), (151, 400)]  # empty chunks too
     merged = combine_covariance_sums([covariance_sums(feats[a:b]) for a, b in cuts])
-    assert torch.allclose(s, ssl_eval.spectrum_from_sums(merged), atol=1e-9)
+    assert torch.allclose(s, spectrum_from_sums(merged), atol=1e-9)
     logs = log10_spectrum(s, floor=1e-12)
     assert torch.allclose(logs[:2], torch.tensor([math.log10(4), 0.0], dtype=torch.float64))
     assert logs.min() >= -12

@@ -10,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .ssl import (BANK_BLOCK, combine_covariance_sums, covariance_sums, features, fine_tune,
-                  knn_merge, knn_partial, linear_probe, merge_partials, spectrum_from_sums,
-                  stratified_subset)
+from .spectrum import combine_covariance_sums, covariance_sums, spectrum_from_sums
+from .ssl import (BANK_BLOCK, features, fine_tune, knn_merge, knn_partial, linear_probe,
+                  merge_partials, stratified_subset)
 
 # ---- representation learners: the kNN monitor (FedU^2 code) -----------
 
