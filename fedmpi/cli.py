@@ -240,7 +240,7 @@ def algorithms(names, plugins):
     """List the algorithms (all, or each NAME) with their parameters and defaults."""
     from .algorithms import REGISTRY, message_sizes, params_table
     from .config import import_plugins
-    from .config.validate import async_refusal
+    from .config.validate_system import async_refusal
 
     import_plugins(list(plugins))
     for name in names:

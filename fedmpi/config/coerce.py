@@ -160,3 +160,14 @@ def field_paths() -> tuple[str, ...]:
             paths += [f"{top.name}.{f.name}" for f in dataclasses.fields(section)
                       if f.name != OPEN_SECTIONS.get(top.name)]
     return tuple(paths)
+
+
+def positive(name: str, value, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise field_error(name, f"must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+def one_of(name: str, value: str, allowed) -> None:
+    if value not in allowed:
+        raise field_error(name, f"{value!r} is not allowed{did_you_mean(str(value), allowed)}; "
+                                f"choose one of {', '.join(sorted(allowed))}")

@@ -13,9 +13,9 @@ import os
 import socket
 from pathlib import Path
 
-from ..errors import did_you_mean
-from .coerce import build, check_scalar, field_error
+from .coerce import build, check_scalar, field_error, one_of as _one_of, positive as _positive
 from .schema import OPEN_SECTIONS, ExperimentConfig
+from .validate_system import validate_system_model
 
 NAME_MAX = 255  # bytes in one file name on every common file system
 PATH_MAX = 4096  # bytes in a path the kernel takes (Linux), with its closing NUL
@@ -44,17 +44,6 @@ def import_plugins(modules: list[str]) -> None:
             detail = " ".join(str(exc).split()) or "no message"
             raise field_error("plugins", f"cannot import {name!r} "
                                          f"({type(exc).__name__}: {detail})") from None
-
-
-def _positive(name: str, value, allow_zero: bool = False) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
-        raise field_error(name, f"must be {'>= 0' if allow_zero else '> 0'}, got {value}")
-
-
-def _one_of(name: str, value: str, allowed) -> None:
-    if value not in allowed:
-        raise field_error(name, f"{value!r} is not allowed{did_you_mean(str(value), allowed)}; "
-                                f"choose one of {', '.join(sorted(allowed))}")
 
 
 def resolve_and_validate(c: ExperimentConfig) -> None:
@@ -107,7 +96,7 @@ def resolve_and_validate(c: ExperimentConfig) -> None:
                           f"side public set; set it > 0 (fnrfl_fmnist uses 320)")
     _validate_optimizer_method(c)
     _validate_client_group(c)
-    _validate_system_model(c)
+    validate_system_model(c)
     _validate_compression(c)
     _validate_paths(c)
 
@@ -205,95 +194,6 @@ def group_refusal(c: ExperimentConfig) -> str | None:
     return f"{problem}; set 1 (one client after another)" if problem else None
 
 
-def _validate_system_model(c: ExperimentConfig) -> None:
-    """``[system_model]``: names from the lists, numbers in range, and a policy other than
-    waiting for all only with profiles to time the clients by."""
-    from ..runtime.asyncfl import MODES as ASYNC_MODES, STALENESS
-    from ..runtime.vclock import POLICIES, PROFILES, STEP_UNITS
-    from ..runtime.vclock_inputs import check_config_clock
-
-    m = c.system_model
-    _one_of("system_model.profiles", m.profiles, PROFILES)
-    _one_of("system_model.policy", m.policy, POLICIES)
-    _one_of("system_model.step_unit", m.step_unit, STEP_UNITS)
-    _validate_tiers(m)
-    for name in ("step_time", "down_mbps", "up_mbps"):
-        _positive(f"system_model.{name}", getattr(m, name))
-    _one_of("system_model.staleness", m.staleness, STALENESS)
-    for name in ("speed_sigma", "bandwidth_sigma", "latency", "deadline", "overselect",
-                 "concurrency", "buffer", "staleness_exponent"):
-        _positive(f"system_model.{name}", getattr(m, name), allow_zero=True)
-    inputs = _validate_availability(c)
-    if m.profiles == "off":
-        if m.policy != "wait_all":
-            raise field_error("system_model.policy", f"{m.policy!r} times the clients: set "
-                                                     f"system_model.profiles = \"lognormal\"")
-        for name, on in (("availability", m.availability != "always"), ("dropout", m.dropout),
-                         ("measure_step_time", m.measure_step_time)):
-            if on:
-                raise field_error(f"system_model.{name}", "runs on the virtual clock: set "
-                                                          "system_model.profiles (\"lognormal\", "
-                                                          "\"tiers\" or \"file\")")
-        return
-    if m.policy in ASYNC_MODES:
-        _validate_async(c)
-    if m.policy == "deadline" and not m.deadline:
-        raise field_error("system_model.deadline", "policy \"deadline\" needs a deadline > 0 "
-                                                   "(seconds a round waits)")
-    if m.policy == "overselect":
-        if not m.overselect:
-            raise field_error("system_model.overselect", "policy \"overselect\" needs a fraction "
-                                                         "> 0 (0.3 selects 30% more clients)")
-        if c.clients.sampling == "bernoulli":
-            raise field_error("system_model.policy", "\"overselect\" selects a fixed number of "
-                                                     "clients; clients.sampling \"bernoulli\" "
-                                                     "draws a random one (use uniform or size)")
-    check_config_clock(c, *inputs)
-
-
-def _validate_availability(c: ExperimentConfig) -> tuple:
-    """Profiles from a file, availability and dropout: names from the lists, probabilities
-    in range, files readable with the right columns and values. A static population's
-    client ids are checked here against clients.num; a dynamic one's (more identities
-    than clients.num, known once the partition is made) when the clock is set up.
-    Returns the profile table and the trace read (None where there is none)."""
-    from ..runtime.vclock import AVAILABILITY, read_profiles, read_trace
-
-    m = c.system_model
-    _one_of("system_model.availability", m.availability, AVAILABILITY)
-    static = None if c.clients.replace_prob else c.clients.num
-    table = trace = None
-    if m.profiles == "file":
-        table = read_profiles(m.profile_file, static)
-    elif m.profile_file:
-        raise field_error("system_model.profile_file", f"is read with system_model.profiles = "
-                                                       f"\"file\" only (profiles is {m.profiles!r})")
-    if m.availability == "trace":
-        trace = read_trace(m.availability_file, static)
-    elif m.availability_file:
-        raise field_error("system_model.availability_file", "is read with "
-                          "system_model.availability = \"trace\" only (availability is "
-                          f"{m.availability!r})")
-    if not 0 < m.availability_p <= 1:
-        raise field_error("system_model.availability_p", f"must be in (0, 1], got {m.availability_p}")
-    for name in ("p_on_off", "p_off_on"):
-        value = getattr(m, name)
-        if not 0 < value <= 1:
-            raise field_error(f"system_model.{name}", f"must be in (0, 1], got {value}")
-    if not 0 <= m.diurnal_base <= 1:
-        raise field_error("system_model.diurnal_base", f"must be in [0, 1], got {m.diurnal_base}")
-    if not 0 <= m.diurnal_amplitude <= 1:
-        raise field_error("system_model.diurnal_amplitude", f"must be in [0, 1], got "
-                                                            f"{m.diurnal_amplitude}")
-    if m.diurnal_base + m.diurnal_amplitude <= 0:
-        raise field_error("system_model.diurnal_amplitude", "diurnal_base + diurnal_amplitude "
-                                                            "must be > 0 (else nobody is ever "
-                                                            "available)")
-    if not 0 <= m.dropout < 1:
-        raise field_error("system_model.dropout", f"must be in [0, 1), got {m.dropout}")
-    return table, trace
-
-
 def _validate_compression(c: ExperimentConfig) -> None:
     """``[compression]``: codecs from the lists, settings in range, and messages the
     algorithm declares compressible."""
@@ -332,94 +232,6 @@ def _validate_compression(c: ExperimentConfig) -> None:
             raise field_error("compression.messages", f"{name!r} is not an upload algorithm "
                               f"{c.algorithm.name!r} declares compressible (those: "
                               f"{', '.join(declared['up'])})")
-
-
-TIER_LISTS = ("tier_shares", "tier_speeds", "tier_down_mbps", "tier_up_mbps")
-
-
-def _validate_tiers(m) -> None:
-    """``profiles = "tiers"``: the tier lists, one entry per tier, all positive numbers,
-    the shares summing to 1, the names (if given) distinct; tier lists only with it."""
-    given = [name for name in ("tier_names",) + TIER_LISTS if getattr(m, name)]
-    if m.profiles != "tiers":
-        if given:
-            raise field_error(f"system_model.{given[0]}", "describes device tiers: set "
-                                                         "system_model.profiles = \"tiers\"")
-        return
-    lists = {name: getattr(m, name) for name in TIER_LISTS}
-    for name, values in lists.items():
-        if not isinstance(values, list) or not values:
-            raise field_error(f"system_model.{name}", "profiles \"tiers\" needs a list with "
-                                                     "one number per tier")
-        bad = [v for v in values if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0]
-        if bad:
-            raise field_error(f"system_model.{name}", f"must be numbers > 0, got {bad[0]!r}")
-    n = len(lists["tier_shares"])
-    for name, values in list(lists.items()) + [("tier_names", m.tier_names or [None] * n)]:
-        if len(values) != n:
-            raise field_error(f"system_model.{name}", f"has {len(values)} entries, "
-                                                     f"system_model.tier_shares {n}: one per tier")
-    if abs(sum(lists["tier_shares"]) - 1) > 1e-6:
-        raise field_error("system_model.tier_shares", f"must sum to 1, got "
-                                                      f"{sum(lists['tier_shares']):g}")
-    if m.tier_names and (len(set(map(str, m.tier_names))) != n or
-                         not all(isinstance(x, str) and x for x in m.tier_names)):
-        raise field_error("system_model.tier_names", f"must be distinct non-empty names, got "
-                                                     f"{m.tier_names!r}")
-
-
-def _validate_async(c: ExperimentConfig) -> None:
-    """FedAsync and FedBuff: C in-flight clients of the population, K <= C, alpha in
-    (0, 1], uniform sampling of a static population, every client always available and
-    none dropping out, and a method they can serve."""
-    from ..runtime.asyncfl import concurrency
-
-    m, policy = c.system_model, f"system_model.policy {c.system_model.policy!r}"
-    if m.availability != "always":
-        raise field_error("system_model.availability", f"{policy} draws from the whole idle "
-                                                       f"population; availability is for the "
-                                                       f"synchronous policies: set \"always\"")
-    if m.dropout:
-        raise field_error("system_model.dropout", f"{policy} has no mid-round dropout (a "
-                                                  f"synchronous policies' setting); set 0")
-    C = concurrency(c)
-    if C > c.clients.num:
-        raise field_error("system_model.concurrency", f"{C} clients in flight, but clients.num "
-                                                      f"is {c.clients.num}")
-    if m.buffer > C:
-        raise field_error("system_model.buffer", f"must be <= system_model.concurrency (the "
-                                                 f"{C} clients in flight), got {m.buffer}")
-    if not 0 < m.mixing <= 1:
-        raise field_error("system_model.mixing", f"must be in (0, 1], got {m.mixing}")
-    if c.clients.sampling != "uniform":
-        raise field_error("clients.sampling", f"{policy} draws each new client uniformly from "
-                                              f"the idle ones; set \"uniform\"")
-    if c.clients.replace_prob:
-        raise field_error("clients.replace_prob", f"{policy} runs on a static population; set 0")
-    problem = async_refusal(c.algorithm.name)
-    if problem:
-        raise field_error("system_model.policy", problem)
-
-
-def async_refusal(name: str) -> str | None:
-    """Why asynchronous FL cannot run algorithm ``name``, or None. It replaces the server's
-    aggregation, so it serves methods whose server side is FedAvg's (one phase, the model
-    as the payload, the sample-weighted mean of the deltas, no server state): their local
-    update stays theirs."""
-    from .. import algorithms
-    from ..algorithms.base import Algorithm
-
-    hooks = ("init_server_state", "payload", "server_update", "contribution",
-             "contribution_sizes", "phase_participants", "gram_weighted", "traffic")
-
-    def able(cls) -> bool:
-        return len(cls.phases) == 1 and all(getattr(cls, h) is getattr(Algorithm, h) for h in hooks)
-
-    if able(algorithms.REGISTRY[name]):
-        return None
-    names = sorted(n for n, cls in algorithms.REGISTRY.items() if able(cls))
-    return (f"asynchronous FL serves methods with FedAvg's server side; {name!r} has its own; "
-            f"use one of {', '.join(names)}")
 
 
 def _check_fixed(obj, prefix: str) -> None:
