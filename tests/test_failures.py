@@ -143,6 +143,7 @@ def test_force_keeps_the_old_file_when_the_new_run_fails_in_setup_under_mpirun(t
     assert out.read_bytes() == before
 
 
+@pytest.mark.slow   # mpirun with several ranks, tens of seconds
 @needs_mpi
 def test_ranks_that_resolve_different_configs_stop_before_any_work(tmp_path):
     """Each rank reads the config itself: a file edited while the job started (or a
@@ -180,6 +181,7 @@ def _on_another_node(tmp_path, config, out, mount=None, env=""):
                   env={"FEDMPI_NODE_SHARED": "0", "PYTHONPATH": str(tmp_path / "plugins")})
 
 
+@pytest.mark.slow   # mpirun with several ranks, tens of seconds
 @needs_mpi
 def test_bad_input_on_one_node_alone_is_said_by_that_node(tmp_path):
     """A plugin that one node cannot import (its environment differs): that rank exited
@@ -196,6 +198,7 @@ def test_bad_input_on_one_node_alone_is_said_by_that_node(tmp_path):
     assert not (tmp_path / "run.h5").exists()
 
 
+@pytest.mark.slow   # mpirun with several ranks, tens of seconds
 @needs_mpi
 def test_a_node_whose_copy_of_the_data_differs_stops_the_run_before_any_work(tmp_path):
     """Each node reads the data files itself: a stale copy on one node's scratch trained
@@ -220,6 +223,7 @@ def test_a_node_whose_copy_of_the_data_differs_stops_the_run_before_any_work(tmp
     assert "Traceback" not in proc.stderr and not (tmp_path / "stale.h5").exists()
 
 
+@pytest.mark.slow   # mpirun with several ranks, tens of seconds
 @needs_mpi
 def test_a_deterministic_run_over_two_kinds_of_cpu_says_so(tmp_path):
     """A partition of two CPU generations (AVX2 and AVX-512 nodes): the same software
@@ -243,6 +247,7 @@ def test_a_deterministic_run_over_two_kinds_of_cpu_says_so(tmp_path):
         assert [r["kernels"] for r in run.attrs["ranks"]] == [native, native, "cpu DEFAULT"]
 
 
+@pytest.mark.slow   # mpirun with several ranks, tens of seconds
 @needs_mpi
 @pytest.mark.parametrize("stale", ["fedmpi", "torch"])
 def test_a_node_that_runs_other_software_stops_the_run_before_any_work(tmp_path, stale):
