@@ -141,7 +141,7 @@ def resume_config(path, speak: bool = True):
     from .config.since import as_started
     from .errors import warn
     from .results import RunFile, liveness
-    from .results.writer import damaged
+    from .results.recovery import damaged
 
     if Path(path).is_dir():
         raise UsageError(f"--resume {path}: is a directory; give the run's results file (.h5)")

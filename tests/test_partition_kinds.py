@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import fedmpi.data.partition as partition_module
+import fedmpi.data.partition_fill as fill_module
 from fedmpi.data.heterogeneity import label_skew
 from fedmpi.data.partition import (class_counts, dirichlet, iid, make_partition, natural,
                                    partition_params, pathological, quantity)
@@ -269,8 +270,8 @@ def test_extreme_inputs_terminate_with_exact_sizes(alpha, labels, num_clients):
 
 def test_fixed_size_fill_is_exact_and_takes_at_most_c_passes(monkeypatch):
     passes = []
-    real = partition_module._fill_pass
-    monkeypatch.setattr(partition_module, "_fill_pass", lambda *a: passes.append(1) or real(*a))
+    real = fill_module._fill_pass
+    monkeypatch.setattr(fill_module, "_fill_pass", lambda *a: passes.append(1) or real(*a))
     rng = np.random.default_rng(5)
     for _ in range(300):
         num_classes, num_clients = int(rng.integers(1, 25)), int(rng.integers(1, 200))
@@ -281,7 +282,7 @@ def test_fixed_size_fill_is_exact_and_takes_at_most_c_passes(monkeypatch):
                  partition_module._quantity_sizes(total, num_clients, 10 ** rng.uniform(-3, 3), 0, rng))
         prior = rng.dirichlet(np.full(num_classes, 10 ** rng.uniform(-3, 3)), size=num_clients)
         passes.clear()
-        counts = partition_module._fill_to_sizes(sizes, supply, prior, rng)
+        counts = fill_module._fill_to_sizes(sizes, supply, prior, rng)
         assert counts.min() >= 0 and len(passes) <= num_classes
         assert np.array_equal(counts.sum(1), sizes) and np.array_equal(counts.sum(0), supply)
 
@@ -290,7 +291,7 @@ def test_fixed_size_fill_follows_the_client_priors():
     """A client whose prior is one class gets only that class while it lasts."""
     prior = np.zeros((4, 3))
     prior[[0, 1, 2, 3], [0, 0, 1, 2]] = 1.0
-    counts = partition_module._fill_to_sizes(np.array([10, 10, 10, 10]), np.array([20, 10, 10]),
+    counts = fill_module._fill_to_sizes(np.array([10, 10, 10, 10]), np.array([20, 10, 10]),
                                              prior, np.random.default_rng(0))
     assert counts.tolist() == [[10, 0, 0], [10, 0, 0], [0, 10, 0], [0, 0, 10]]
 

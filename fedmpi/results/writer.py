@@ -9,21 +9,20 @@ leaves SWMR for the duration of the change.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import socket
 import stat
 from contextlib import contextmanager
-from datetime import datetime, timezone
 from pathlib import Path
 
 import h5py
 import numpy as np
 
-from fedmpi import __version__, hdf5
+from fedmpi import hdf5
 from fedmpi.errors import UsageError
-from fedmpi.results import checkpoint, liveness, repair, schema
+from fedmpi.results import checkpoint, liveness, schema
+from fedmpi.results.attrs import _check_not_reserved, _root_attrs, _set_attrs
 
 
 class ResultsWriter:
@@ -304,76 +303,12 @@ def _append_local_spectra(h5file: h5py.File, round_: int, local: dict) -> None:
         ds[n:] = data
 
 
-def recover_crashed(path) -> str | None:
-    """Make a file left by a writer that died openable again; the caller holds its lock.
-
-    A writer killed while it had the file open leaves the consistency flags set in the
-    superblock, and HDF5 refuses to open the file for writing. Everything readable is
-    copied into a fresh file that replaces it in one rename, provided all that a resume
-    needs survived (``repair.assess``); returns a line saying what was done, or None when
-    the file needed nothing. A file cut short is refused with what is still readable.
-    """
-    path = Path(path)
-    problem = damaged(path)
-    if problem:
-        raise UsageError(problem)
-    sb = repair.inspect(path)
-    if sb is None or not sb.open_for_write:
-        return None
-    if liveness.held_for_writing(path):   # evidence of a holder now, where the recorded
-        # writer's liveness is a guess: fedmpi's own writers hold no flock (SWMR drops it)
-        raise UsageError(liveness.held_message(path))
-    writer = repair.recorded_writer(path)
-    if liveness.state(writer) == liveness.ALIVE:
-        from fedmpi.results.lock import busy_message
-        raise UsageError(busy_message(path, writer))
-    temporary = _temporary(path, "recover")
-    try:
-        found = _salvage(path, temporary)
-        if not found.resumable:
-            raise UsageError(f"results file {path} is damaged (left inconsistent by a writer "
-                             f"that died) and cannot be resumed; {found.summary()}")
-        _drop(temporary, found.lost)
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
-    checkpoint = "" if found.checkpoint is None else f", checkpoint after round {found.checkpoint}"
-    return (f"{path} was left open by a writer that died; continuing from a clean copy "
-            f"({found.rounds} rounds{checkpoint})")
-
-
-def damaged(path) -> str | None:
-    """For a file cut short: one line with what is still readable in it; else None."""
-    path = Path(path)
-    why = repair.damage(path)
-    if why is None:
-        return None
-    import tempfile
-    with tempfile.TemporaryDirectory(dir=path.parent if os.access(path.parent, os.W_OK) else None) as d:
-        found = _salvage(path, Path(d) / "salvage.h5")
-    return f"results file {path} is damaged ({why}) and cannot be resumed; {found.summary()}"
-
-
-def _salvage(path: Path, copy: Path) -> repair.Assessment:
-    return repair.assess(copy, repair.salvage(path, copy, schema.LIBVER))
-
-
 def _temporary(path: Path, kind: str) -> Path:
     """A hidden name beside ``path`` for a file being built: ``.run.h5.<host>.<pid>.tmp``.
     Leftovers of processes on this host that died building one are removed first."""
     for old in liveness.left_by_the_dead(path.parent, f".{path.name}.", f".{kind}"):
         old.unlink(missing_ok=True)
     return path.parent / f".{path.name}.{socket.gethostname()}.{os.getpid()}.{kind}"
-
-
-def _drop(path: Path, names: list[str]) -> None:
-    """Remove what ``assess`` found expendable (a half-written spare checkpoint slot), so
-    the next checkpoint rebuilds it."""
-    with hdf5.File(path, "r+") as f:
-        for name in names:
-            top = "/".join(name.split("/")[:2])
-            if top in f:
-                del f[top]
 
 
 class FileReplacedError(RuntimeError):
@@ -402,66 +337,6 @@ def _reopen(path: Path) -> h5py.File:
         return h5py.File(path, "r+", libver=schema.LIBVER, locking=False)
     except OSError:
         return hdf5.File(path, "r+", libver=schema.LIBVER)
-
-
-def _root_attrs(config: dict, provenance: dict) -> dict:
-    """Root attributes: identity, the resolved config, its hash, and provenance."""
-    _check_not_reserved("provenance", provenance)
-    config_json = json.dumps(config, sort_keys=True, default=_json_default)
-    return {
-        "format": schema.FORMAT,
-        "schema_version": schema.SCHEMA_VERSION,
-        "fedmpi_version": __version__,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "status": "running",
-        "config": _JSON(config_json),
-        "config_hash": hashlib.sha256(config_json.encode()).hexdigest()[:16],
-        **{key: _encode(value) for key, value in provenance.items()},
-    }
-
-
-class _JSON(str):
-    """A string that already is JSON: stored verbatim and listed in ``json_attrs``."""
-
-
-def _encode(value):
-    """Scalars stay native HDF5 attributes; lists, dicts, None become JSON strings."""
-    if isinstance(value, _JSON):
-        return value
-    if isinstance(value, str):
-        return str(value)  # np.str_ has no HDF5 conversion; plain str is variable-length UTF-8
-    if isinstance(value, (bool, int, float, np.integer, np.floating, np.bool_)):
-        return value
-    return _JSON(json.dumps(value, default=_json_default))
-
-
-def _set_attrs(h5file: h5py.File, attrs: dict) -> None:
-    """Write attrs, keeping ``json_attrs`` (which of them a reader must parse) up to date."""
-    json_keys = set(json.loads(h5file.attrs.get("json_attrs", "[]")))
-    for key, value in attrs.items():
-        value = _encode(value)
-        if isinstance(value, _JSON):
-            json_keys.add(key)
-            value = str(value)
-        else:
-            json_keys.discard(key)
-        h5file.attrs[key] = value
-    h5file.attrs["json_attrs"] = json.dumps(sorted(json_keys))
-
-
-def _json_default(value):
-    """Numpy scalars/arrays and paths appear in configs; turn them into JSON types."""
-    if isinstance(value, (np.generic, np.ndarray)):
-        return value.tolist()
-    if isinstance(value, Path):
-        return str(value)
-    raise TypeError(f"{type(value).__name__} is not JSON serializable")
-
-
-def _check_not_reserved(what: str, attrs: dict) -> None:
-    clash = sorted(schema.RESERVED_ATTRS & set(attrs))
-    if clash:
-        raise ValueError(f"{what} may not set the writer's own root attributes {clash}")
 
 
 def _check_fields(what: str, fields: list[str]) -> None:

@@ -15,7 +15,7 @@ from .. import __version__
 from ..errors import UsageError, warn
 from ..results import ResultsWriter, RunFile, checkpoint, liveness, schema
 from ..results.lock import RunLock
-from ..results.writer import recover_crashed
+from ..results.recovery import recover_crashed
 from . import asyncfl, vclock, vclock_inputs
 from .records import RANK_FIELDS, ROUND_FIELDS, client_fields
 
