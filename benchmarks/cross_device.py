@@ -18,7 +18,8 @@ Prints the median seconds per training round (the last round, which also scores 
 test set, left out; a group run pays torch.func's one-time start-up at setup), the final
 test accuracy of every variant and the speed-up of groups over fedmpi's own sequential
 path (targets on a 2-core CPU: >= 2x for the 2NN,
->= 1x for the CNN, the same accuracy within seed noise):
+>= 1x for the CNN, the same accuracy within seed noise; what was measured, on a 2-core
+CPU and an H200: docs/performance.md, "Client groups"):
 
     python benchmarks/cross_device.py --model 2nn --epochs 1
     python benchmarks/cross_device.py --model cnn --rounds 6 --repeat 3 --variants seq groups
@@ -70,7 +71,7 @@ def workload(model: str, epochs: int, rounds: int, device: str = "cpu") -> dict:
         "clients": {"num": 1000, "per_round": 50},
         "model": {"name": model},
         "algorithm": {"name": "fedavg"},
-        "train": {"local_epochs": epochs, "batch_size": 10, "lr": 0.05, "clip_norm": 0.0},
+        "train": {"local_epochs": epochs, "batch_size": 10, "lr": 0.05, "grad_clip": 0.0},
         "eval": {"every": 100000, "at_start": False},   # scored once, after the last round
         "system": {"device": device, "gpu_share": device != "cpu"},
     }
@@ -163,7 +164,7 @@ def profile_training(values: dict, repeat: int, top: int = 15) -> None:
     tasks = [ClientTask(client=i, data=c, model=world.flat, device=world.device,
                         autocast=world.autocast) for i, c in enumerate(group)]
     ctx = RoundContext(round=1, phase="train", lr=t.lr, lr_prev=t.lr, global_lr=t.global_lr,
-                       weight_decay=t.weight_decay, clip_norm=t.clip_norm,
+                       weight_decay=t.weight_decay, grad_clip=t.grad_clip,
                        local_epochs=t.local_epochs, batch_size=t.batch_size,
                        num_clients=config.clients.num, participants=tuple(range(len(group))),
                        seed=0)

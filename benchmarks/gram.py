@@ -15,7 +15,8 @@ at once, the slowest one's): they fix G's bits, so the Gram path costs at least 
     mpirun -n 5 --oversubscribe python benchmarks/gram.py --clients 100 --params 1000000
 
 (``--oversubscribe`` wherever the node has fewer cores than ranks: the figures in
-``fedmpi/runtime/gram.py`` are ``mpirun -n 3 --oversubscribe`` on 2 cores, ``--repeat 7``.)
+docs/performance.md, "The Gram path", are ``mpirun -n 3 --oversubscribe`` on 2 cores,
+``--repeat 7``.)
 """
 
 from __future__ import annotations

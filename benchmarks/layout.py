@@ -8,7 +8,8 @@ Reports the median ms/step over --steps steps after --warmup steps; the layouts 
 interleaved blocks so slow drifts of the machine hit them equally.
 
 It then checks whether one step is bitwise identical at 1 and 2 threads, which decides
-whether a deterministic mode must pin the thread count.
+whether a deterministic mode must pin the thread count. Figures: docs/performance.md,
+"Memory layout".
 
 glibc malloc thresholds are fixed (the script re-executes itself with them, as every
 fedmpi rank should run) unless --system-malloc is given or they are already set.

@@ -17,7 +17,8 @@ Variants, each timed over the 20 rounds (setup excluded), in the same run:
   can do on 2 cores.
 - ``mpirun``: ``mpirun -n 3 fedmpi run`` (server + 2 workers, 1 thread each).
 
-Targets: fedmpi / bare <= 0.85; mpirun / limit <= 1.05.
+Targets: fedmpi / bare <= 0.85; mpirun / limit <= 1.05. What was measured, on which
+machine: docs/performance.md ("Per-step overhead", "Memory layout", "GPUs").
 
 On a GPU (``--device cuda``) the workload is W1's GPU form: ResNet-18 with GroupNorm
 (11.2M parameters) on CIFAR-shaped data (the synthetic set at 3x32x32: 20,000 training
@@ -74,7 +75,7 @@ WORKLOAD = {
     "clients": {"num": 100, "per_round": 10},
     "model": {"name": "cnn", "hidden": 820},
     "algorithm": {"name": "fedavg"},
-    "train": {"local_epochs": 1, "batch_size": 50, "lr": 0.05, "clip_norm": 10.0},
+    "train": {"local_epochs": 1, "batch_size": 50, "lr": 0.05, "grad_clip": 10.0},
     "eval": {"every": 1000},  # only the last round: the variants compare training
 }
 
@@ -159,7 +160,7 @@ def batches(c, part, t, client, n_epochs=1):
 
 def run_bare(values) -> dict:
     """The bare loop over the config's rounds: its model, E epochs, its round lr, clipping
-    when clip_norm > 0. Returns the wall time (training and the final scoring), each
+    when grad_clip > 0. Returns the wall time (training and the final scoring), each
     round's seconds, the accuracy and the final parameters. On a GPU (system.device) the
     model and the normalised dataset live there, in FP32 (TF32 off, as fedmpi's default)."""
     from fedmpi.runtime.system import numerics
@@ -193,8 +194,8 @@ def _bare_rounds(c, data, part, model, device) -> dict:
                 b = b.to(device)
                 opt.zero_grad()
                 F.cross_entropy(model(x_all[b]), y_all[b]).backward()
-                if c.train.clip_norm > 0:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), c.train.clip_norm)
+                if c.train.grad_clip > 0:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), c.train.grad_clip)
                 opt.step()
             for k, v in model.state_dict().items():
                 total[k] += v * (sizes[client] / weight)
@@ -261,7 +262,7 @@ def _context_factory(c):
         tr = c.train
         lr = tr.lr * tr.lr_decay ** t
         return RoundContext(round=t, phase="train", lr=lr, lr_prev=lr, global_lr=1.0,
-                            weight_decay=tr.weight_decay, clip_norm=tr.clip_norm,
+                            weight_decay=tr.weight_decay, grad_clip=tr.grad_clip,
                             local_epochs=tr.local_epochs, batch_size=tr.batch_size,
                             num_clients=c.clients.num, participants=tuple(clients.tolist()),
                             seed=c.seed)

@@ -6,7 +6,7 @@ run; and the floors: ``import torch`` alone, and ``import torch`` then ``os._exi
 finalisation at all).
 
 Every rank of an ``mpirun`` job pays this, and so does every command of a sweep's or a
-test suite's few hundred processes.
+test suite's few hundred processes. Figures: docs/performance.md, "Start-up and exit".
 
     python benchmarks/startup.py               # 5 repetitions of each
     python benchmarks/startup.py --repeat 11

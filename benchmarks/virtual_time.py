@@ -41,7 +41,8 @@ from fedmpi import config as cfgmod
 from fedmpi.comm import LocalComm
 from fedmpi.results import RunFile
 from fedmpi.runtime import run_experiment
-from fedmpi.runtime.vclock import draw_profiles, durations, schedule
+from fedmpi.runtime.devices import draw_profiles
+from fedmpi.runtime.vclock import durations, schedule
 
 SYSTEM_MODEL = {"profiles": "lognormal", "step_time": 0.05, "speed_sigma": 1.0,
                 "down_mbps": 20.0, "up_mbps": 5.0, "bandwidth_sigma": 1.0, "latency": 0.05}
@@ -109,7 +110,8 @@ def availability_seconds(clients: int = 100_000, rounds: int = 5,
     over-selection cut, with 10% mid-round dropout."""
     from types import SimpleNamespace
 
-    from fedmpi.runtime.vclock import Availability, dropout_mask, sample_available
+    from fedmpi.runtime.availability import Availability, dropout_mask
+    from fedmpi.runtime.vclock import sample_available
 
     model = cfgmod.from_dict({"system_model": SYSTEM_MODEL}).system_model
     profiles = draw_profiles(0, clients, model)

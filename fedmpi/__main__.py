@@ -19,7 +19,7 @@ def entry() -> None:
     # with exit 1 after them, and was lost where it landed in a finalizer: the command
     # went on.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
-    from .cli import main
+    from .cli import main   # deferred: after the handler, as Ctrl-C may come while it loads
 
     main()
 

@@ -15,7 +15,10 @@ import os
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from .errors import UsageError
+from .errors import UsageError, warn
+
+# deferred imports: ``import fedmpi`` loads this module, and the functions import what
+# they use (the config's checks, the results file: h5py; the runtime: torch) when called.
 
 
 class RunDiverged(RuntimeError):
@@ -139,7 +142,6 @@ def resume_config(path, speak: bool = True):
     is validated (its data files are looked at), and the caller may move back after."""
     from .config import from_dict
     from .config.since import as_started
-    from .errors import warn
     from .results import RunFile, liveness
     from .results.recovery import damaged
 

@@ -15,6 +15,10 @@ import click
 from .errors import UsageError, did_you_mean, one_line_errors, say
 from .signals import launcher_rank as _launcher_rank   # light: no torch
 
+# deferred imports: each command imports what it runs, so that `fedmpi --help`, a bad
+# option and the light commands answer without loading torch (~1.5 s); `run` pays for
+# it once its arguments are known.
+
 EXIT_FAILED, EXIT_INTERRUPTED = 1, 130   # 130: killed by SIGINT, by convention
 # The commands whose ranks work together under mpirun or srun; every other command is
 # one process's work, done by launcher rank 0 alone (the others exit 0 at once): three
@@ -240,7 +244,7 @@ def algorithms(names, plugins):
     """List the algorithms (all, or each NAME) with their parameters and defaults."""
     from .algorithms import REGISTRY, message_sizes, params_table
     from .config import import_plugins
-    from .config.validate_system import async_refusal
+    from .runtime.participation import Async
 
     import_plugins(list(plugins))
     for name in names:
@@ -257,7 +261,7 @@ def algorithms(names, plugins):
         declared = cls().compressible(1)
         click.echo(f"    compressible up: {', '.join(declared['up']) or 'none'}; down: "
                    f"{', '.join(declared['down']) or 'none'}; asynchronous (fedbuff, fedasync): "
-                   f"{'no' if async_refusal(name) else 'yes'}")
+                   f"{'yes' if Async.serves(name) else 'no'}")
         rows = params_table(cls)
         for field, default, help_text in rows:
             click.echo(f"    algorithm.{field} = {default!r}    {help_text}")

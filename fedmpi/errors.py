@@ -8,12 +8,17 @@ better."""
 
 from __future__ import annotations
 
+import difflib
 import errno
 import functools
 import os
 import re
+import resource
+import socket
 import sys
+import time
 
+from . import signals
 from .signals import launcher_local_rank, launcher_rank   # light: no torch
 
 EXIT_USAGE = 2
@@ -91,8 +96,6 @@ def out_of_memory(exc: BaseException | None) -> str | None:
 
 
 def _address_space() -> str:
-    import resource
-
     limit = resource.getrlimit(resource.RLIMIT_AS)[0]
     return "no address-space limit" if limit == resource.RLIM_INFINITY else \
         f"the address space is limited to {limit / 2 ** 30:.1f} GiB: ulimit -v"
@@ -131,8 +134,6 @@ def did_you_mean(word: str, choices, dotted: bool = True) -> str:
     one in another section first (``lr``, ``eval.lr`` -> ``train.lr``), then the closest
     spelling in the same section (``train.lrr``, a preset ``defualt``), then in any.
     ``dotted=False``: a dot is just a character (file names)."""
-    import difflib
-
     split = (lambda text: text.rpartition(".")) if dotted else (lambda text: ("", "", text))
     parts = {c: split(c) for c in sorted({str(c) for c in choices} - {word})}
     parent, _, leaf = split(word)
@@ -203,24 +204,18 @@ def say(message: str) -> None:
     ends the job, which could take rank 0 before it spoke). A node's first rank that is
     still running ALONE_AFTER seconds later speaks, naming itself: the error was its
     node's alone (a plugin or a file missing there), and rank 0 went on without a word."""
-    import click
+    import click   # deferred: the CLI's (~0.1 s), which ``import fedmpi`` does without
 
     rank = launcher_rank()
     if rank == 0:
         click.echo(f"fedmpi: {message}", err=True)
     elif not ended_within(ALONE_AFTER) and launcher_local_rank() in (0, None):
-        import socket
-
         click.echo(f"fedmpi: rank {rank} on {socket.gethostname()}: {message}", err=True)
 
 
 def ended_within(seconds: float) -> bool:
     """Whether the launcher stops this process (SIGTERM) within ``seconds``: when ``fedmpi
     run`` listens, the stop flag says so; elsewhere the signal ends the process."""
-    import time
-
-    from . import signals
-
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         if signals.requested():

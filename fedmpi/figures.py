@@ -49,7 +49,7 @@ def save(figure, path, what: str, command: str, **options) -> Path:
 
 
 def _agg(command: str):
-    try:
+    try:   # deferred: matplotlib is optional (a plot's alone) and takes ~1 s to load
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:

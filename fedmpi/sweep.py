@@ -65,14 +65,16 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .config import ExperimentConfig, resolve
+from .config import ExperimentConfig, flatten, read_toml_file, resolve
 from .config import toml_value
+from .config.since import as_started
 from .errors import UsageError
 
 SWEEP_KEYS = ("name", "preset", "config", "outdir", "set", "grid")
@@ -178,11 +180,7 @@ def cell_state(sweep: Sweep, cell: Cell) -> tuple[str, list[str]]:
     ``config_changes``, from one read of its file."""
     if not cell.output.exists():
         return "missing", []
-    import json
-
-    from .analysis.runs import flatten
-    from .config.since import as_started
-    from .results import RunFile, liveness
+    from .results import RunFile, liveness   # deferred: h5py (~0.3 s), for a cell's file alone
 
     with RunFile(cell.output) as run:
         config = run.config
@@ -205,8 +203,6 @@ def config_changes(sweep: Sweep, cell: Cell) -> list[str]:
 # ---- parsing ----------------------------------------------------------------------------
 
 def _read(path: Path) -> dict:
-    from .config import read_toml_file
-
     return read_toml_file(path, "sweep file")
 
 

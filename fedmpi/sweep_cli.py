@@ -16,6 +16,8 @@ import shlex
 
 import click
 
+from . import sweep as sweeps
+from .config.sources import refuse_spaced_value
 from .errors import UsageError, one_line_errors
 from .signals import launcher_rank
 
@@ -47,9 +49,6 @@ def sweep(sweep_file, count, cell_index, print_args, run_cell, overrides, outdir
     _check_options(count, cell_index, print_args, run_cell, force, quiet)
     if run_cell is None and launcher_rank():
         return   # listing and counting are one process's work, as every command but run's
-    from . import sweep as sweeps
-    from .config.sources import refuse_spaced_value
-
     refuse_spaced_value(overrides, [sweep_file])   # `--set train.lr 0.1`: 0.1 is no sweep file
     plan = sweeps.load(sweep_file, outdir=outdir, overrides=overrides)
     if count:
@@ -85,8 +84,6 @@ def _what(plan) -> str:
 
 def _list(plan, cells, header: bool) -> None:
     """With the header: one line per cell (index, status, name); one cell: also its file."""
-    from . import sweep as sweeps
-
     if header and plan.single:
         click.echo(f"config {plan.path}: one run, results in {plan.cells[0].output}")
     elif header:
@@ -107,8 +104,7 @@ def _list(plan, cells, header: bool) -> None:
 
 def _run_cell(plan, cell, force: bool, quiet: bool) -> None:
     """Complete one cell through `fedmpi run` in this process (same code, same exit codes)."""
-    from . import sweep as sweeps
-    from .cli import main
+    from .cli import main   # deferred: fedmpi.cli imports this module (a cycle at load time)
 
     speak = launcher_rank() == 0 and not quiet
     status, changes = sweeps.cell_state(plan, cell)

@@ -58,12 +58,12 @@ def quadratic_task(client: int, center, steps: int = 1, num_samples: int = 10) -
 
 
 def context(t: int = 0, participants=(), phase: str = "train", lr: float = 0.1,
-            lr_prev: float | None = None, weight_decay: float = 0.0, clip_norm: float = 0.0,
+            lr_prev: float | None = None, weight_decay: float = 0.0, grad_clip: float = 0.0,
             local_epochs: int = 1, num_clients: int = 10, global_lr: float = 1.0,
             seed: int = 0, **optimizer) -> RoundContext:
     """``optimizer``: RoundContext's local-optimizer fields (momentum, local_schedule, ...)."""
     return RoundContext(round=t, phase=phase, lr=lr, lr_prev=lr if lr_prev is None else lr_prev,
-                        global_lr=global_lr, weight_decay=weight_decay, clip_norm=clip_norm,
+                        global_lr=global_lr, weight_decay=weight_decay, grad_clip=grad_clip,
                         local_epochs=local_epochs, batch_size=1, num_clients=num_clients,
                         participants=tuple(int(c) for c in participants), seed=seed,
                         **optimizer)
@@ -72,8 +72,10 @@ def context(t: int = 0, participants=(), phase: str = "train", lr: float = 0.1,
 class Simulation:
     """Server state, client states and rounds of one algorithm on given client tasks."""
 
-    def __init__(self, alg, tasks: dict[int, ClientTask], x0):
-        self.alg, self.tasks = alg, tasks
+    def __init__(self, alg, tasks: dict[int, ClientTask], x0, stages=None):
+        """``stages``: the client stages (fedmpi.runtime.stages) the phases run, in order
+        (None: the runtime's default, no codec)."""
+        self.alg, self.tasks, self.stages = alg, tasks, stages
         x0 = torch.as_tensor(x0, dtype=torch.float32)
         self.d = x0.numel()
         self.state = alg.init_server_state(x0)
@@ -96,7 +98,8 @@ class Simulation:
         phases = Phases(LocalComm(), self.alg, self.d, torch.device("cpu"),
                         steps={c: 1 for c in self.tasks},
                         context=lambda t, phase, who: context(t, who, phase, **ctx_kw),
-                        make_task=lambda c, ctx, p: self.tasks[c], store=self)
+                        make_task=lambda c, ctx, p: self.tasks[c], store=self,
+                        stages=self.stages)
         diagnostics = {}
         for p, phase in enumerate(self.alg.phases):
             uploads = {}

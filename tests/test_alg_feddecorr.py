@@ -132,7 +132,7 @@ def cnn_task(channels_last=True):
 def test_beta_zero_is_fedavg_bitwise(normalisation):
     task = cnn_task()
     x = task.model.params.detach().clone()
-    ctx = context(lr=0.05, weight_decay=1e-3, clip_norm=10.0)
+    ctx = context(lr=0.05, weight_decay=1e-3, grad_clip=10.0)
     avg = build("fedavg", {}).local_update(task, {"x": x}, None, ctx)
     zero = build("feddecorr", {"beta": 0.0, "normalisation": normalisation}).local_update(
         task, {"x": x}, None, ctx)
@@ -203,7 +203,7 @@ def ssl_task(name, **params):
 
 def ssl_ctx(lr=0.1):
     return RoundContext(round=0, phase="train", lr=lr, lr_prev=lr, global_lr=1.0,
-                        weight_decay=1e-3, clip_norm=10.0, local_epochs=2, batch_size=B,
+                        weight_decay=1e-3, grad_clip=10.0, local_epochs=2, batch_size=B,
                         num_clients=1, participants=(0,), seed=0)
 
 
@@ -248,7 +248,7 @@ def test_ssl_simsiam_step_matches_a_hand_written_reference():
     task.data.num_samples = B
     x = task.model.params.detach().clone()
     ctx = RoundContext(round=0, phase="train", lr=lr, lr_prev=lr, global_lr=1.0,
-                       weight_decay=0.0, clip_norm=0.0, local_epochs=1, batch_size=B,
+                       weight_decay=0.0, grad_clip=0.0, local_epochs=1, batch_size=B,
                        num_clients=1, participants=(0,), seed=0)
     upload = alg.local_update(task, {"x": x}, {}, ctx)
 

@@ -61,7 +61,7 @@ def test_fedmim_matches_the_numpy_rule_with_clipping_decay_and_uneven_steps():
     sim = Simulation(build("fedmim", {"alpha": list(alpha), "beta": list(beta)}), tasks, x0=[0.2, 0.1, -0.3])
     got = []
     for t, clients in enumerate(schedule):
-        diag = sim.round(clients, t=t, lr=lrs[t], lr_prev=lrs[t] / 0.9, weight_decay=0.05, clip_norm=2.0)
+        diag = sim.round(clients, t=t, lr=lrs[t], lr_prev=lrs[t] / 0.9, weight_decay=0.05, grad_clip=2.0)
         got.append((sim.state["x"].numpy().copy(), diag["fedmim_local_consistency"]))
     xs, consistency = fedmim_reference(CENTERS, steps, schedule, alpha, beta, lrs, 0.05, 2.0, [0.2, 0.1, -0.3])
     for (x, lc), x_ref, lc_ref in zip(got, xs, consistency):

@@ -87,7 +87,7 @@ def cnn_task(steps=2, name="cnn", opts=CNN):
 def test_zero_weights_are_fedavg_bit_for_bit():
     task, _ = cnn_task(steps=3)
     x = task.model.params.detach().clone()
-    ctx = context(lr=0.05, weight_decay=1e-3, clip_norm=1.0, momentum=0.9)
+    ctx = context(lr=0.05, weight_decay=1e-3, grad_clip=1.0, momentum=0.9)
     mlb = build("fedmlb", {"lambda1": 0.0, "lambda2": 0.0}).local_update(task, {"x": x}, None, ctx)
     avg = build("fedavg", {}).local_update(task, {"x": x}, None, ctx)
     assert torch.equal(mlb.delta, avg.delta) and mlb.loss == avg.loss and mlb.steps == 3

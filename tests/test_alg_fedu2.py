@@ -26,7 +26,7 @@ from helpers import SSL, merged, write_config
 
 def ctx(global_lr=1.0):
     return RoundContext(round=0, phase="train", lr=0.1, lr_prev=0.1, global_lr=global_lr,
-                        weight_decay=0.0, clip_norm=0.0, local_epochs=1, batch_size=4,
+                        weight_decay=0.0, grad_clip=0.0, local_epochs=1, batch_size=4,
                         num_clients=2, participants=(0, 1), seed=0)
 
 

@@ -193,7 +193,7 @@ def test_byol_with_the_weights_zero_is_fedbyol_bitwise_on_one_task():
     assert zero.client_state_sizes(d) == base.client_state_sizes(d) == {"target": n, "seen": 1}
     g = torch.Generator().manual_seed(5)   # a returning client: its own target != x
     seen = {"target": x[:n] + 0.05 * torch.randn(n, generator=g), "seen": torch.ones(1)}
-    ctx = context(lr=0.1, weight_decay=1e-3, clip_norm=10.0, local_epochs=2)
+    ctx = context(lr=0.1, weight_decay=1e-3, grad_clip=10.0, local_epochs=2)
     for state in (first_state(base, d), seen):
         ups = []
         for alg, flat in ((base, flat_b), (zero, flat_z), (full, flat_f)):

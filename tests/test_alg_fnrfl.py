@@ -521,12 +521,12 @@ def test_public_set_is_read_without_augmentation_whatever_data_augment_says(tmp_
                                              "crop_padding": 2}}))
         exp = Experiment(c, LocalComm(), quiet=True)
         exp.setup()   # the world and the tasks, no round
-        exp._release()
+        exp.release()
         w = exp.flat.params.detach().clone() if w is None else w   # one model for both
         exp.flat.load(w)
         client, t, phase = 3, 1, 1
         ctx = round_context(c, t, "refine", [client])
-        task = exp._task(client, ctx, phase)
+        task = exp.task(client, ctx, phase)
         norms, acc = fn.class_feature_norms(exp.flat.module, task.public, 10)
         payload = {"fnr_clients": torch.tensor([float(client)]), "fnr_signal": torch.linspace(-1, 1, 10)}
         refined = exp.alg.local_update(task, payload, {"fnr_model": w.clone()}, ctx)

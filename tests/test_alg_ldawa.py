@@ -24,7 +24,7 @@ TWO_LAYERS = [("a.weight", (2,)), ("b.weight", (1, 2))]   # layer A: 2 values, l
 
 def ctx(round=0, global_lr=1.0):
     return RoundContext(round=round, phase="train", lr=0.1, lr_prev=0.1, global_lr=global_lr,
-                        weight_decay=0.0, clip_norm=0.0, local_epochs=1, batch_size=4,
+                        weight_decay=0.0, grad_clip=0.0, local_epochs=1, batch_size=4,
                         num_clients=3, participants=(0, 1, 2), seed=0)
 
 

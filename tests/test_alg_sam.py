@@ -82,7 +82,7 @@ def simulate(name, params, rounds=ROUNDS, wd=0.0, clip=0.0, centers=CENTERS, x0=
     tasks = {c: quadratic_task(c, centers[c], steps=STEPS[c], num_samples=SIZES[c]) for c in centers}
     sim = Simulation(build(name, params), tasks, x0=x0)
     for t, (who, lr, lr_prev) in enumerate(rounds):
-        sim.round(who, t=t, lr=lr, lr_prev=lr_prev, weight_decay=wd, clip_norm=clip)
+        sim.round(who, t=t, lr=lr, lr_prev=lr_prev, weight_decay=wd, grad_clip=clip)
     return sim
 
 
@@ -175,7 +175,7 @@ def test_fedmrur_rho_zero_alpha_one_is_fedavg_with_normalized_aggregation():
     tasks = {c: quadratic_task(c, CENTERS[c], steps=STEPS[c], num_samples=SIZES[c]) for c in CENTERS}
     ref = Simulation(FedAvgNormalized(), tasks, x0=X0)
     for t, (who, lr, lr_prev) in enumerate(ROUNDS):
-        ref.round(who, t=t, lr=lr, lr_prev=lr_prev, weight_decay=0.01, clip_norm=3.0)
+        ref.round(who, t=t, lr=lr, lr_prev=lr_prev, weight_decay=0.01, grad_clip=3.0)
     mrur = simulate("fedmrur", {"rho": 0.0, "alpha": 1.0, "regularizer": False}, wd=0.01, clip=3.0)
     assert_same_model(mrur, ref)
 
@@ -304,8 +304,8 @@ def test_fedmrur_gamma_zero_mean_aggregation_is_mofedsam():
     mrur = Simulation(build("fedmrur", {"gamma": 0.0, "aggregation": "mean"}), net_tasks(), x0=x0)
     mofedsam = Simulation(build("mofedsam", {"rho": 0.5, "alpha": 0.1}), net_tasks(), x0=x0)
     for t, (who, lr, lr_prev) in enumerate(rounds):
-        diag = mrur.round(who, t=t, lr=lr, lr_prev=lr_prev, clip_norm=10.0, weight_decay=5e-4)
-        mofedsam.round(who, t=t, lr=lr, lr_prev=lr_prev, clip_norm=10.0, weight_decay=5e-4)
+        diag = mrur.round(who, t=t, lr=lr, lr_prev=lr_prev, grad_clip=10.0, weight_decay=5e-4)
+        mofedsam.round(who, t=t, lr=lr, lr_prev=lr_prev, grad_clip=10.0, weight_decay=5e-4)
     assert_same_model(mrur, mofedsam)
     assert diag["fedmrur_lorentz_dist2"] > 0   # computed (and logged) even with gamma = 0
 

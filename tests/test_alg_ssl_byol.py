@@ -55,7 +55,7 @@ def setup(name, seed=0, **params):
 
 def ctx(lr=0.1, round=0):
     return RoundContext(round=round, phase="train", lr=lr, lr_prev=lr, global_lr=1.0,
-                        weight_decay=0.0, clip_norm=0.0, local_epochs=1, batch_size=B,
+                        weight_decay=0.0, grad_clip=0.0, local_epochs=1, batch_size=B,
                         num_clients=1, participants=(0,), seed=0)
 
 

@@ -16,10 +16,11 @@ from fedmpi.comm import LocalComm
 from fedmpi.errors import UsageError
 from fedmpi.results import RunFile
 from fedmpi.runtime import run_experiment
-from fedmpi.runtime.vclock import (PROFILE_FIELDS, bernoulli_mask, diurnal_mask, diurnal_phases,
-                                   diurnal_probability, dropout_mask, markov_mask,
-                                   markov_stationary, read_profiles, read_trace,
-                                   sample_available, trace_mask)
+from fedmpi.runtime.availability import (bernoulli_mask, diurnal_mask, diurnal_phases,
+                                         diurnal_probability, dropout_mask, markov_mask,
+                                         markov_stationary, trace_mask)
+from fedmpi.runtime.vclock import sample_available
+from fedmpi.runtime.vclock_inputs import PROFILE_FIELDS, read_profiles, read_trace
 
 from helpers import TINY, merged, run_and_resume
 

@@ -64,7 +64,7 @@ def clients(sizes, seed=0, side=16):
 
 def context(**over):
     base = dict(round=1, phase="train", lr=0.05, lr_prev=0.05, global_lr=1.0, weight_decay=0.0,
-                clip_norm=0.0, local_epochs=2, batch_size=4, num_clients=10,
+                grad_clip=0.0, local_epochs=2, batch_size=4, num_clients=10,
                 participants=tuple(range(4)), seed=0)
     return RoundContext(**{**base, **over})
 
@@ -147,7 +147,7 @@ def test_group_form_equals_the_sequential_local_update(name, model):
     client's delta, loss, steps, contribution, gathered values and new state; for the
     CNN (unpadded, and padded as the paper's), the 2NN (their hand-written gradients) and
     the CNN under torch.func.vmap (as a model that is no chain of plain layers trains)."""
-    assert_same_uploads(*both_paths(name, context(clip_norm=1.0), model=model))
+    assert_same_uploads(*both_paths(name, context(grad_clip=1.0), model=model))
 
 
 def test_the_padded_cnn_trains_in_groups_by_its_hand_written_gradient():
@@ -165,7 +165,7 @@ def test_the_padded_cnn_trains_in_groups_by_its_hand_written_gradient():
 @pytest.mark.parametrize("over", [
     dict(momentum=0.9), dict(momentum=0.9, nesterov=True), dict(weight_decay=1e-3),
     dict(local_schedule="step", local_decay=0.5), dict(local_schedule="cosine", local_warmup=2),
-    dict(clip_norm=0.05)])
+    dict(grad_clip=0.05)])
 @pytest.mark.parametrize("model", ["cnn", "2nn"])
 def test_local_optimizer_in_groups(over, model):
     """Momentum, Nesterov, weight decay, per-client clipping and local schedules (whose
@@ -516,7 +516,7 @@ def test_a_grouped_run_that_diverges_stops_as_a_sequential_one_does(tmp_path, mo
     """NaN/Inf from a group (the CNN's and the 2NN's hand-written gradients, vmap's)
     reaches the divergence check like a sequential client's: the file says failed at
     round 1."""
-    with run_tiny(tmp_path, "nan", model=model or {}, train={"lr": 1e30, "clip_norm": 0.0},
+    with run_tiny(tmp_path, "nan", model=model or {}, train={"lr": 1e30, "grad_clip": 0.0},
                   system={"threads": 1, "client_group": 3}) as run:
         assert run.status == "failed" and run.attrs["failed_round"] == 1
         assert run.attrs["client_group"] == 3 and "diverged at round 1" in run.attrs["error"]

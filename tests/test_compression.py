@@ -153,7 +153,7 @@ def test_every_declared_download_is_in_the_payload():
     silently do nothing while the ledger counts it compressed)."""
     d = 12
     ctx = RoundContext(round=0, phase="train", lr=0.1, lr_prev=0.1, global_lr=1.0,
-                       weight_decay=0.0, clip_norm=0.0, local_epochs=1, batch_size=4,
+                       weight_decay=0.0, grad_clip=0.0, local_epochs=1, batch_size=4,
                        num_clients=4, participants=(0, 1), seed=0)
     for name, cls in algorithms.REGISTRY.items():
         alg = cls()

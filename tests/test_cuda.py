@@ -50,7 +50,7 @@ def test_group_form_equals_the_sequential_local_update_on_the_device(name, model
     and the 2NN's chains, vmap over the clients' parameters) against one client at a
     time on the GPU, in FP32 (TF32 off, as a run sets it)."""
     alg = algorithms.build(name, {})
-    ctx = context(clip_norm=1.0)
+    ctx = context(grad_clip=1.0)
     flat = flat_model(model, device=DEVICE)
     data = [Samples(s.x.to(DEVICE), s.y.to(DEVICE), s.key) for s in clients((9, 9, 6, 3))]
     tasks = [ClientTask(client=i, data=d, model=flat, device=DEVICE) for i, d in enumerate(data)]

@@ -328,7 +328,7 @@ def test_a_run_started_with_its_standard_descriptors_closed_keeps_its_file(tmp_p
 
 
 def test_divergence_names_the_round_as_progress_lines_count_it(tmp_path):
-    config = write_config(tmp_path / "c.toml", rounds=3, train={"lr": 1e30, "clip_norm": 0.0})
+    config = write_config(tmp_path / "c.toml", rounds=3, train={"lr": 1e30, "grad_clip": 0.0})
     out = tmp_path / "nan.h5"
     proc = fedmpi(["run", str(config), "-o", str(out)])
     assert proc.returncode == 1

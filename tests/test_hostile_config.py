@@ -145,7 +145,7 @@ NON_FINITE = [
     pytest.param(f"train.lr={HUGE}", "train.lr", id="lr-10**400"),
     pytest.param("train.lr_decay=inf", "train.lr_decay", id="lr_decay-inf"),
     pytest.param("train.weight_decay=inf", "train.weight_decay", id="weight_decay-inf"),
-    pytest.param("train.clip_norm=inf", "train.clip_norm", id="clip_norm-inf"),
+    pytest.param("train.grad_clip=inf", "train.grad_clip", id="grad_clip-inf"),
     pytest.param("train.global_lr=nan", "train.global_lr", id="global_lr-nan"),
     pytest.param("partition.noise=nan", "partition.noise", id="noise-nan"),
     pytest.param("partition.noise=inf", "partition.noise", id="noise-inf"),

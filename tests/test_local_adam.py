@@ -52,7 +52,7 @@ def setup(steps=4, seed=0):
     return task, reference, batches
 
 
-def torch_adam(module, batches, lrs, weight_decay=0.0, clip_norm=0.0, betas=(0.9, 0.999),
+def torch_adam(module, batches, lrs, weight_decay=0.0, grad_clip=0.0, betas=(0.9, 0.999),
                eps=1e-8):
     """torch.optim.Adam over ``batches``, step k at lrs[k]; clipping as fedmpi's (the
     gradient scaled by min(1, clip / (||g|| + 1e-6)), before the weight decay)."""
@@ -61,10 +61,10 @@ def torch_adam(module, batches, lrs, weight_decay=0.0, clip_norm=0.0, betas=(0.9
     for (x, y), lr in zip(batches, lrs):
         opt.zero_grad()
         F.cross_entropy(module(x), y).backward()
-        if clip_norm:
+        if grad_clip:
             norm = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in module.parameters()]))
             for p in module.parameters():
-                p.grad.mul_(min(1.0, clip_norm / (float(norm) + 1e-6)))
+                p.grad.mul_(min(1.0, grad_clip / (float(norm) + 1e-6)))
         for group in opt.param_groups:
             group["lr"] = lr
         opt.step()
@@ -77,7 +77,7 @@ def ours(task):
 
 @pytest.mark.parametrize("options", [
     {},
-    {"weight_decay": 1e-2, "clip_norm": 0.05},          # clips every step, decay after it
+    {"weight_decay": 1e-2, "grad_clip": 0.05},          # clips every step, decay after it
     {"adam_betas": (0.5, 0.9), "adam_eps": 1e-3, "weight_decay": 0.1},
 ])
 def test_k_adam_steps_are_torch_optim_adams_bit_for_bit(options):
@@ -85,7 +85,7 @@ def test_k_adam_steps_are_torch_optim_adams_bit_for_bit(options):
     ctx = context(lr=0.01, optimizer="adam", **options)
     loss, steps = train(task, ctx)
     expected = torch_adam(reference, batches, [0.01] * 4, options.get("weight_decay", 0.0),
-                          options.get("clip_norm", 0.0), options.get("adam_betas", (0.9, 0.999)),
+                          options.get("grad_clip", 0.0), options.get("adam_betas", (0.9, 0.999)),
                           options.get("adam_eps", 1e-8))
     assert steps == 4 and math.isfinite(loss)
     assert torch.equal(ours(task), expected)

@@ -228,8 +228,8 @@ def test_evaluate_after_an_evaluate_killed_while_it_wrote(single, tmp_path, capf
     # file, a process gone by now (the fixture's run was this one, which lives on)
     kill = ("import json, os, signal, sys\n"
             "from fedmpi.results import liveness\n"
-            "from fedmpi.results.writer import _reopen, append_eval\n"
-            "f = _reopen(sys.argv[1])\n"
+            "from fedmpi.results.writer import append_eval, reopen\n"
+            "f = reopen(sys.argv[1])\n"
             "f.attrs['writer'] = json.dumps(liveness.identity())\n"
             "f.flush()\n"
             "append_eval(f, {'round': 3, 'linear_acc': 0.5}, None)\n"

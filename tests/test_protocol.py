@@ -149,7 +149,7 @@ def test_count_once_makes_the_plain_mean_of_fedmim_and_scaffold_bitwise():
     uploads = [Upload(delta=torch.randn(50, generator=gen), num_samples=3 + i, loss=0.0, steps=1,
                       extras={"delta_c": torch.randn(50, generator=gen)}) for i in range(7)]
     ctx = RoundContext(round=0, phase="train", lr=0.1, lr_prev=0.1, global_lr=0.7, weight_decay=0.0,
-                       clip_norm=0.0, local_epochs=1, batch_size=1, num_clients=10,
+                       grad_clip=0.0, local_epochs=1, batch_size=1, num_clients=10,
                        participants=tuple(range(7)), seed=0)
     for name in ("fedmim", "scaffold"):
         alg = build(name, {})

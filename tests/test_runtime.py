@@ -126,7 +126,7 @@ def test_fedprox_with_mu_zero_is_fedavg(tmp_path):
 
 
 def test_divergence_stops_and_marks_the_file(tmp_path):
-    c, exp, run = run_tiny(tmp_path, train={"lr": 1e6, "clip_norm": 0.0})
+    c, exp, run = run_tiny(tmp_path, train={"lr": 1e6, "grad_clip": 0.0})
     with run:
         assert exp.diverged
         assert run.status == "failed"

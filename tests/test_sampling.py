@@ -14,7 +14,7 @@ from fedmpi.comm import LocalComm
 from fedmpi.errors import UsageError
 from fedmpi.results import RunFile
 from fedmpi.runtime import run_experiment
-from fedmpi.runtime.experiment import Experiment
+from fedmpi.runtime.participation import Sync
 from fedmpi.runtime.plan import place, sample_clients
 from fedmpi.runtime.rng import numpy_rng
 
@@ -105,11 +105,9 @@ def test_size_weights_are_the_sample_counts_of_who_holds_the_slots():
 
     sizes = np.array([1, 1, 1000, 1000, 1000, 1000])      # identities 4, 5 are big newcomers
     clients = SimpleNamespace(num=4, per_round=2, sampling="size", empty_rounds="redraw")
-    exp = SimpleNamespace(config=SimpleNamespace(seed=0, clients=clients),
-                          comm=SimpleNamespace(is_server=True), sizes=sizes, split=Split(),
-                          clock=None, asynchronous=None)
-    early = np.concatenate([Experiment._sample(exp, t) for t in range(10)])
-    late = np.concatenate([Experiment._sample(exp, t) for t in range(10, 20)])
+    stage = Sync(SimpleNamespace(seed=0, clients=clients), Split(), sizes)
+    early = np.concatenate([stage.select(t, None) for t in range(10)])
+    late = np.concatenate([stage.select(t, None) for t in range(10, 20)])
     assert np.bincount(early, minlength=6)[[2, 3]].sum() > 15 and set(late) <= {2, 3, 4, 5}
     assert min(np.bincount(late, minlength=6)[2:]) > 0
 

@@ -14,7 +14,8 @@ from fedmpi.comm import LocalComm
 from fedmpi.errors import UsageError
 from fedmpi.results import RunFile
 from fedmpi.runtime import run_experiment
-from fedmpi.runtime.vclock import draw_profiles, durations, schedule, selection_size
+from fedmpi.runtime.devices import draw_profiles
+from fedmpi.runtime.vclock import durations, schedule, selection_size
 
 from conftest import fedmpi, mpirun, needs_mpi
 from helpers import TINY, merged, run_and_resume, write_config

@@ -18,7 +18,7 @@ from fedmpi.comm import LocalComm
 from fedmpi.errors import UsageError
 from fedmpi.results import RunFile
 from fedmpi.runtime import run_experiment
-from fedmpi.runtime.vclock import read_profiles, read_trace
+from fedmpi.runtime.vclock_inputs import read_profiles, read_trace
 
 from conftest import fedmpi
 from helpers import TINY, merged, write_config

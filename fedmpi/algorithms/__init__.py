@@ -6,6 +6,8 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import pkgutil
 
 from ..config import check_scalar
 from ..config.coerce import field_paths
@@ -17,9 +19,6 @@ from .params import default_of, params_table
 def _import_all() -> None:
     """Import every module of this package so each ``@register`` runs: adding an
     algorithm is adding a file."""
-    import importlib
-    import pkgutil
-
     for module in pkgutil.iter_modules(__path__):
         importlib.import_module(f"{__name__}.{module.name}")
 

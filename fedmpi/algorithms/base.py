@@ -57,7 +57,7 @@ class RoundContext:
     lr_prev: float            # eta_l^{t-1} (= lr / decay), for gradient-unit momentum
     global_lr: float          # eta_g
     weight_decay: float
-    clip_norm: float          # 0 = no clipping
+    grad_clip: float          # 0 = no clipping
     local_epochs: int
     batch_size: int
     num_clients: int          # N

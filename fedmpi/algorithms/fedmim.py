@@ -173,7 +173,7 @@ def inertial_train(task, ctx, inertia: torch.Tensor, lookahead: torch.Tensor,
         loss.backward()
         if moved:
             params.copy_(anchor)
-        local_sgd.sgd_step(params, flat.grads, scale * ctx.lr, weight_decay, ctx.clip_norm)
+        local_sgd.sgd_step(params, flat.grads, scale * ctx.lr, weight_decay, ctx.grad_clip)
         params.add_(inertia)
         total += loss.detach()
         steps += 1

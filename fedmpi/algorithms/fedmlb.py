@@ -54,6 +54,8 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UsageError
+from ..models import COMMON_OPTIONS, MODELS
+from ..models.classifier import Classifier
 from . import local_sgd
 from .base import Upload, register
 from .fedavg import FedAvg
@@ -63,8 +65,6 @@ from .params import Params, param
 
 def models_with_blocks() -> tuple[str, ...]:
     """The registry's models whose class declares ``blocks`` (overrides Classifier's)."""
-    from ..models import MODELS
-    from ..models.classifier import Classifier
     return tuple(name for name, spec in MODELS.items()
                  if getattr(spec.cls, "blocks", Classifier.blocks) is not Classifier.blocks)
 
@@ -79,7 +79,6 @@ def _candidates(model_options: dict) -> list[str]:
     """The registry's models whose options are exactly the keys of the resolved
     ``model_options`` (check_model gets no name; the option sets tell the models apart,
     except 2nn and mlp, which both declare no blocks)."""
-    from ..models import COMMON_OPTIONS, MODELS
     keys = set(model_options) - set(COMMON_OPTIONS)
     return [name for name, spec in MODELS.items() if set(spec.options) == keys]
 

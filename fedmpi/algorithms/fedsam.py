@@ -18,7 +18,7 @@ from . import group_sgd, local_sgd
 from .base import register
 from .fedavg import FedAvg
 from .params import Params, param
-from .sam import sam_gradient
+from .sam import group_gradient, sam_gradient
 
 
 @register
@@ -35,4 +35,5 @@ class FedSAM(FedAvg):
                                       gradient_fn=sam_gradient(self.params.rho))
 
     def local_update_group(self, tasks, payload, client_states, ctx):
-        return group_sgd.local_update(tasks, payload["x"], ctx, sam_rho=self.params.rho)
+        return group_sgd.local_update(tasks, payload["x"], ctx,
+                                      gradient=group_gradient(self.params.rho))

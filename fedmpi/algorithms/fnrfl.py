@@ -290,7 +290,7 @@ class FNRFL(Algorithm):
 
 
 def _build_base(params) -> Algorithm:
-    from . import REGISTRY, build
+    from . import REGISTRY, build   # deferred: __init__ imports this module before build
 
     if params.base not in BASES or params.base not in REGISTRY:
         raise param_error("base", f"{params.base!r} is not supported; choose one of "

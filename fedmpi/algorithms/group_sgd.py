@@ -36,13 +36,17 @@ import torch.nn.functional as F
 from torch.func import functional_call, grad_and_value, vmap
 
 from ..flat import FlatModel
-from . import group_chain, local_sgd, sam, schedule
+from . import group_chain, local_sgd, schedule
 from .base import ClientTask, RoundContext, Upload
 
 # correction(grads [a, n], params [a, n]) modifies the group's gradient rows in place; a
 # per-client vector it holds as [G, d] rows applies to the a leading rows
 # (``local_sgd.rows_of``), so the sequential corrections serve groups unchanged.
 GroupCorrection = Callable[[torch.Tensor, torch.Tensor], None]
+# gradient(model, a, x, y, weights, autocast) -> (losses [a], grads [a, n]): one batch's
+# gradient for each of the first a rows of a GroupModel, ``GroupModel.gradient`` by
+# default; what a hook must leave where: ``train``'s docstring.
+GroupGradient = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 _MODELS: "weakref.WeakKeyDictionary[FlatModel, GroupModel]" = weakref.WeakKeyDictionary()
 VIEW_SIZES = 64   # group sizes whose parameter views a GroupModel keeps at once
@@ -168,14 +172,14 @@ class GroupModel:
         return group_chain.chain_pieces(self.chain, self.views(a).layers, x, y, weights,
                                         self.classes, self.flat.channels_last, self.nhwc)
 
-    def descend_pieces(self, a: int, pieces: list[torch.Tensor], lr, clip_norm: float) -> None:
+    def descend_pieces(self, a: int, pieces: list[torch.Tensor], lr, grad_clip: float) -> None:
         """The plain step (no correction, weight decay or momentum) of the first a rows,
         piece by piece: ``group_step``'s result without concatenating the gradient
         (measured: 0.4 ms a step of 50 2NN clients saved)."""
         scale = lr
-        if clip_norm > 0:
+        if grad_clip > 0:
             norms = torch.stack([p.pow(2).sum(dim=1) for p in pieces]).sum(dim=0).sqrt_()
-            scale = torch.clamp(clip_norm / (norms + 1e-6), max=1.0).unsqueeze(1) * lr
+            scale = local_sgd.norm_clip_factor(norms, grad_clip).unsqueeze(1) * lr
         for row_piece, piece in zip(self.views(a).slices, pieces):
             _descend(row_piece, piece, scale)
 
@@ -199,13 +203,12 @@ def group_model(flat: FlatModel) -> GroupModel:
 
 
 def group_step(params: torch.Tensor, grads: torch.Tensor, lr, weight_decay: float,
-               clip_norm: float, velocity: torch.Tensor | None = None, momentum: float = 0.0,
+               grad_clip: float, velocity: torch.Tensor | None = None, momentum: float = 0.0,
                nesterov: bool = False) -> None:
     """``local_sgd.sgd_step`` on every row: each client's gradient clipped to its own
     norm; ``lr`` a number or a column [a, 1] of per-client rates."""
-    if clip_norm > 0:
-        norms = torch.linalg.vector_norm(grads, dim=1, keepdim=True)
-        grads.mul_(torch.clamp(clip_norm / (norms + 1e-6), max=1.0))
+    if grad_clip > 0:
+        grads.mul_(local_sgd.clip_factor(grads, grad_clip, rows=True))
     if velocity is not None:
         velocity.mul_(momentum).add_(grads)
         if weight_decay:
@@ -239,13 +242,26 @@ def _learning_rates(ctx: RoundContext, active: int, k: int, schedules: list | No
 
 
 def train(tasks: list[ClientTask], start: torch.Tensor, ctx: RoundContext,
-          correction: GroupCorrection | None = None, sam_rho: float = 0.0
+          correction: GroupCorrection | None = None, gradient: GroupGradient | None = None
           ) -> tuple[torch.Tensor, list[float], list[int]]:
     """E local epochs of every client in ``tasks`` (non-increasing step counts) from
-    ``start`` ([d], or [G, d] per client). ``sam_rho`` > 0: each step's gradient is SAM's
-    (fedmpi.algorithms.sam), every row perturbed by its own gradient's norm. Returns the
-    final rows [G, d] (a view of the worker's group buffer: read it before the next group
-    trains), each client's mean training loss and step count."""
+    ``start`` ([d], or [G, d] per client). Returns the final rows [G, d] (a view of the
+    worker's group buffer: read it before the next group trains), each client's mean
+    training loss and step count.
+
+    ``gradient``: the group form of ``local_sgd.train``'s ``gradient_fn`` (SAM's is
+    ``sam.group_gradient``), called as ``gradient(model, a, x, y, weights, autocast)``
+    with the GroupModel and the step's a active rows, their batches and padding weights
+    as ``GroupModel.gradient`` takes them. It returns (losses, grads): each row's batch
+    loss [a] at the rows' parameters, detached (what train reports), and the gradient
+    to step with [a, n], which the correction, the per-client clipping, weight decay and
+    momentum then change in place: ``model.grad_rows[:a]``, as the default leaves it,
+    or another tensor of the hook's own. It leaves the parameters ``model.rows[:a]``
+    bit for bit as it found them (restore by copy, not by subtraction), may use
+    ``grad_rows`` as scratch, and draws any noise from a generator of its own keyed by
+    (seed, round, client), never the global one, which the group shares. Without a
+    hook, correction, momentum or weight decay a step applies the gradient piece by
+    piece (``GroupModel.descend_pieces``)."""
     flat = tasks[0].model
     model = group_model(flat)
     g, n = len(tasks), flat.num_params
@@ -262,43 +278,31 @@ def train(tasks: list[ClientTask], start: torch.Tensor, ctx: RoundContext,
     batches = type(tasks[0].data).group_batches([t.data for t in tasks], ctx.local_epochs,
                                                ctx.batch_size) if g else iter(())
     autocast = tasks[0].autocast   # bf16 forward and loss, as local_sgd.autocast
-    plain = correction is None and not sam_rho and not ctx.momentum and not ctx.weight_decay
+    plain = correction is None and gradient is None and not ctx.momentum and not ctx.weight_decay
+    gradient = gradient or GroupModel.gradient
     flat.module.train()
     for k, (x, y, weights) in enumerate(batches):
         active = len(y)
         lr = _learning_rates(ctx, active, k, schedules, rows.device)
         if plain:
             losses, pieces = model.gradient_pieces(active, x, y, weights, autocast)
-            model.descend_pieces(active, pieces, lr, ctx.clip_norm)
+            model.descend_pieces(active, pieces, lr, ctx.grad_clip)
             totals[:active] += losses
             continue
-        losses, grads = model.gradient(active, x, y, weights, autocast)
-        if sam_rho:
-            perturbed_gradient(model, active, x, y, weights, autocast, sam_rho)
+        losses, grads = gradient(model, active, x, y, weights, autocast)
         if correction is not None:
             correction(grads, params[:active])
-        group_step(params[:active], grads, lr, ctx.weight_decay, ctx.clip_norm,
+        group_step(params[:active], grads, lr, ctx.weight_decay, ctx.grad_clip,
                    None if velocity is None else velocity[:active], ctx.momentum, ctx.nesterov)
         totals[:active] += losses
     losses = [float(v) / max(s, 1) for v, s in zip(totals.tolist(), steps)]  # host sync: once per group
     return rows, losses, steps
 
 
-def perturbed_gradient(model: GroupModel, a: int, x, y, weights, autocast, rho) -> None:
-    """``sam.perturbed_gradient`` for the first a rows: given g in ``grad_rows[:a]``,
-    replace it by the gradient at w + e, e = rho g / (||g|| + eps) with each row's own
-    norm; w restored by copy (bit-exact)."""
-    params, grads = model.rows[:a, :model.flat.num_params], model.grad_rows[:a]
-    saved = params.clone()
-    norms = torch.linalg.vector_norm(grads, dim=1, keepdim=True)
-    params.add_(grads * (rho / (norms + sam.EPS)))
-    model.gradient(a, x, y, weights, autocast)
-    params.copy_(saved)
-
-
 def local_update(tasks: list[ClientTask], x: torch.Tensor, ctx: RoundContext,
-                 correction: GroupCorrection | None = None, sam_rho: float = 0.0) -> list[Upload]:
+                 correction: GroupCorrection | None = None,
+                 gradient: GroupGradient | None = None) -> list[Upload]:
     """The group form of ``local_sgd.local_update``: every client from x, Delta_i = x_K - x."""
-    rows, losses, steps = train(tasks, x, ctx, correction, sam_rho)
+    rows, losses, steps = train(tasks, x, ctx, correction, gradient)
     return [Upload(delta=rows[i] - x, num_samples=t.data.num_samples, loss=losses[i],
                    steps=steps[i]) for i, t in enumerate(tasks)]

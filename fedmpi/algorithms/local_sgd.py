@@ -2,7 +2,7 @@
 
 One step is: zero the flat gradient, forward, loss, backward (autograd writes into the
 flat gradient buffer), let the algorithm correct the gradient (proximal term, control
-variates, momentum: one vector operation each), clip it to ``clip_norm``, and step
+variates, momentum: one vector operation each), clip it to ``grad_clip``, and step
 ``w <- w - lr * (g + wd * w)``; with ``train.momentum``, torch.optim.SGD's heavy-ball or
 Nesterov step on that, one vector operation more. ``lr`` follows the local schedule
 (fedmpi.algorithms.schedule). A method whose gradient needs more than one backward
@@ -37,6 +37,29 @@ Correction = Callable[[torch.Tensor, torch.Tensor], None]
 # parameters as it found them and returns the batch's loss (what train reports).
 GradientFn = Callable[[ClientTask, torch.Tensor, torch.Tensor, Callable], torch.Tensor]
 
+CLIP_EPS = 1e-6   # the clip factor's guard on ||g|| (torch.nn.utils.clip_grad_norm_'s)
+
+
+def clip_factor(grads: torch.Tensor, bound: float, rows: bool = False) -> torch.Tensor:
+    """min(1, bound / (||g|| + CLIP_EPS)) as a tensor (no host sync): one factor over all
+    of ``grads``, or with ``rows`` one per row [a, 1], each client of a group clipped to
+    its own norm."""
+    if rows:
+        return norm_clip_factor(torch.linalg.vector_norm(grads, dim=1, keepdim=True), bound)
+    return norm_clip_factor(torch.linalg.vector_norm(grads), bound)
+
+
+def norm_clip_factor(norm: torch.Tensor, bound: float) -> torch.Tensor:
+    """``clip_factor`` of a norm already computed (a group's plain step sums its own)."""
+    return torch.clamp(bound / (norm + CLIP_EPS), max=1.0)
+
+
+def host_clip_factor(grads: torch.Tensor, bound: float) -> float:
+    """``clip_factor`` read as a host float, for the CPU path, where reading it costs no
+    wait and a scalar folds into an update's alpha (one pass over the buffer fewer)."""
+    norm = float(torch.linalg.vector_norm(grads))   # host sync: CPU only, no wait
+    return min(1.0, bound / (norm + CLIP_EPS))
+
 
 def rows_of(vector: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
     """The part of ``vector`` a correction applies to ``grads``: the first n values of a
@@ -50,7 +73,7 @@ def rows_of(vector: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
 
 
 def sgd_step(params: torch.Tensor, grads: torch.Tensor, lr: float, weight_decay: float,
-             clip_norm: float, velocity: torch.Tensor | None = None, momentum: float = 0.0,
+             grad_clip: float, velocity: torch.Tensor | None = None, momentum: float = 0.0,
              nesterov: bool = False) -> None:
     """w <- w - lr (clip(g) + wd w), in two passes over the buffer (norm, fused update).
 
@@ -62,12 +85,11 @@ def sgd_step(params: torch.Tensor, grads: torch.Tensor, lr: float, weight_decay:
     alpha; on a GPU it stays a tensor so the loop never waits for the device.
     """
     scale = 1.0
-    if clip_norm > 0:
-        norm = torch.linalg.vector_norm(grads)
+    if grad_clip > 0:
         if grads.device.type == "cpu":
-            scale = min(1.0, clip_norm / (float(norm) + 1e-6))  # host sync: CPU only, no wait
+            scale = host_clip_factor(grads, grad_clip)  # host sync: CPU only, no wait
         else:
-            grads.mul_(torch.clamp(clip_norm / (norm + 1e-6), max=1.0))
+            grads.mul_(clip_factor(grads, grad_clip))
     if velocity is not None:
         velocity.mul_(momentum).add_(grads, alpha=scale)
         if weight_decay:
@@ -96,7 +118,7 @@ class AdamMoments:
 
 
 def adam_step(params: torch.Tensor, grads: torch.Tensor, lr: float, weight_decay: float,
-              clip_norm: float, moments: AdamMoments, betas: tuple[float, float] = (0.9, 0.999),
+              grad_clip: float, moments: AdamMoments, betas: tuple[float, float] = (0.9, 0.999),
               eps: float = 1e-8) -> None:
     """torch.optim.Adam's step (amsgrad off, L2 weight decay, torch 2.x single-tensor
     order of operations) on g = clip(grads) + wd w, the weight decay after the clipping
@@ -106,14 +128,13 @@ def adam_step(params: torch.Tensor, grads: torch.Tensor, lr: float, weight_decay
         w <- w - (lr / (1 - b1^t)) m / (sqrt(v) / sqrt(1 - b2^t) + eps).
 
     ``grads`` is overwritten with g (the next step zeroes it anyway)."""
-    if clip_norm > 0:
-        norm = torch.linalg.vector_norm(grads)
+    if grad_clip > 0:
         if grads.device.type == "cpu":
-            scale = min(1.0, clip_norm / (float(norm) + 1e-6))  # host sync: CPU only, no wait
+            scale = host_clip_factor(grads, grad_clip)  # host sync: CPU only, no wait
             if scale < 1.0:
                 grads.mul_(scale)
         else:
-            grads.mul_(torch.clamp(clip_norm / (norm + 1e-6), max=1.0))
+            grads.mul_(clip_factor(grads, grad_clip))
     if weight_decay:
         grads.add_(params, alpha=weight_decay)
     beta1, beta2 = betas
@@ -180,10 +201,10 @@ def train(task: ClientTask, ctx: RoundContext, correction: Correction | None = N
         lr = ctx.lr if lrs is None else lrs[min(steps, len(lrs) - 1)]
         if adam is None:
             sgd_step(flat.params[:flat.num_params], flat.grads, lr, ctx.weight_decay,
-                     ctx.clip_norm, velocity, ctx.momentum, ctx.nesterov)
+                     ctx.grad_clip, velocity, ctx.momentum, ctx.nesterov)
         else:
             adam_step(flat.params[:flat.num_params], flat.grads, lr, ctx.weight_decay,
-                      ctx.clip_norm, adam, ctx.adam_betas, ctx.adam_eps)
+                      ctx.grad_clip, adam, ctx.adam_betas, ctx.adam_eps)
         total += loss.detach()
         steps += 1
     return float(total) / max(steps, 1), steps  # host sync: once per client, its loss

@@ -21,7 +21,7 @@ from . import group_sgd, local_sgd
 from .base import register
 from .fedcm import FedCM
 from .params import param
-from .sam import sam_gradient
+from .sam import group_gradient, sam_gradient
 
 
 @register
@@ -39,4 +39,4 @@ class MoFedSAM(FedCM):
 
     def local_update_group(self, tasks, payload, client_states, ctx):
         return group_sgd.local_update(tasks, payload["x"], self.decayed(ctx), self.correction(payload),
-                                      sam_rho=self.params.rho)
+                                      gradient=group_gradient(self.params.rho))

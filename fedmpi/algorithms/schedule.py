@@ -22,9 +22,6 @@ import math
 
 from ..errors import UsageError
 
-ROUND_SCHEDULES = ("exponential", "step", "cosine")
-LOCAL_SCHEDULES = ("constant", "step", "cosine")
-
 
 def round_lr(train, t: int, rounds: int) -> float:
     """eta_l^t of ``train`` (a TrainConfig) in round t of a run of ``rounds`` rounds."""

@@ -25,10 +25,11 @@ from fedmpi.analysis.metrics import (
     total_traffic_mb, traffic_per_round_mb, upload_mb, wall_time, window_accuracy,
 )
 from fedmpi.analysis.plot import plot_accuracy, save_plot
-from fedmpi.analysis.runs import Run, SkippedFileWarning, flatten, get_key, load
+from fedmpi.analysis.runs import Run, SkippedFileWarning, get_key, load
 from fedmpi.analysis.tables import (
     clients_table, confounds, differing_keys, group_keys, group_table, pivot, rounds_table, runs_table,
 )
+from fedmpi.config import flatten
 
 __all__ = [
     "MB", "Run", "SkippedFileWarning", "accuracy_at", "accuracy_curve", "best_accuracy",

@@ -15,6 +15,11 @@ import warnings
 
 import click
 
+from fedmpi.analysis import SkippedFileWarning, load
+from fedmpi.analysis.plot import save_plot
+from fedmpi.analysis.report import confound_line, report_table
+from fedmpi.analysis.run_summary import summarize
+from fedmpi.analysis.watch import watch as follow
 from fedmpi.errors import UsageError, one_line_errors
 
 
@@ -60,9 +65,6 @@ def report(sources, strict, group_by, smooth, at, target, window, fmt, columns, 
     with the virtual clock (system_model) also the virtual hours to each --target (H@x)
     and in all (virtual h).
     """
-    from fedmpi.analysis.report import confound_line, report_table
-    from fedmpi.analysis.run_summary import summarize
-
     runs = load_runs(sources, strict, completed_only)
     table_options = group_by or at or target or window or smooth or fmt or columns
     if summary or (len(runs) == 1 and not table_options):
@@ -101,8 +103,6 @@ def plot(sources, strict, group_by, smooth, output, x_axis, title, log_x, y_from
     One line per run, or with --group-by one line per group (the mean, with a band of
     ± one std over its runs).
     """
-    from fedmpi.analysis.plot import save_plot
-
     if not output:
         raise UsageError("fedmpi plot needs -o FILE, e.g. -o fig.png")
     if y_from is not None and spectrum:
@@ -145,8 +145,6 @@ def watch(file, interval, once, wait, timeout):
                124 --timeout SECONDS passed without FILE or a new round
                130 Ctrl-C
     """
-    from fedmpi.analysis.watch import watch as follow
-
     seconds = parse_seconds("--interval", interval, least=MIN_INTERVAL)
     limit = None if timeout is None else parse_seconds("--timeout", timeout)
     # a file that is there is read at once (a directory or a damaged file: exit 2 at once)
@@ -157,8 +155,6 @@ def watch(file, interval, once, wait, timeout):
 
 def load_runs(sources, strict: bool, completed_only: bool):
     """fedmpi.analysis.load with each skipped file reported on stderr, one line each."""
-    from fedmpi.analysis import SkippedFileWarning, load
-
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", SkippedFileWarning)
         runs = load(list(sources), strict=strict)

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fedmpi.analysis.paper_numbers import BLOCKS, Block
+from fedmpi.analysis.tables import _canonical, _hashable, _value_key, group_table
+from fedmpi.config import flatten
 from fedmpi.errors import UsageError
 
 NAMES = {"fedavg": "FedAvg", "fedprox": "FedProx", "fedavgm": "FedAvgM", "fedadam": "FedADAM",
@@ -82,7 +84,7 @@ LAYOUTS = {layout.name: layout for layout in (
 
 def _default(algorithm: str, param: str):
     """A parameter's default (a config that does not name it runs it)."""
-    from fedmpi.algorithms import REGISTRY
+    from fedmpi.algorithms import REGISTRY   # deferred: torch, which analysis does without
 
     return getattr(REGISTRY[algorithm].Params(), param, None) if algorithm in REGISTRY else None
 
@@ -138,9 +140,6 @@ def paper_table(runs, layout_: Layout, settings=None, at=(), targets=(), smooth=
     """The runs as ``layout_`` lays them out; ``settings`` (default: the layout's keys
     that differ among the runs, the dataset always) are the columns; ``at`` and
     ``targets`` add columns' metrics; ``smooth`` (default the layout's) smooths them."""
-    from fedmpi.analysis.runs import flatten
-    from fedmpi.analysis.tables import _canonical, _hashable, _value_key, group_table
-
     known = set().union(*(flatten(run.config) for run in runs))
     method_keys = [k for k in layout_.method_keys if k in known]
     if settings is None:

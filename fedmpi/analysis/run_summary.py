@@ -17,7 +17,7 @@ import numpy as np
 from fedmpi.analysis import render
 from fedmpi.analysis.metrics import HOUR, traffic_per_round_mb
 from fedmpi.analysis.runs import get_key, latest_rows
-from fedmpi.analysis.watch import duration, file_age
+from fedmpi.analysis.watch import duration, ending, file_age
 from fedmpi.results import liveness, open_run, schema
 
 _WIDTH = 13  # label column
@@ -46,8 +46,6 @@ def summarize(path) -> str:
 def closing_lines(path) -> list[str]:
     """What `fedmpi run` prints as it ends: `watch`'s last word (rounds, final and best
     accuracy, training time) and the FL traffic, then the file."""
-    from fedmpi.analysis.watch import ending
-
     with open_run(path) as run:
         attrs, config, status = run.attrs, run.config, run.status
         rounds = latest_rows(run.rounds(), by_block=False)

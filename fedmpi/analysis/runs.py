@@ -117,18 +117,6 @@ def get_key(config: dict, key: str, default=None):
     return value
 
 
-def flatten(config: dict, prefix: str = "") -> dict:
-    """Nested config -> {"train.lr": 0.05, ...}; lists stay values (model.channels)."""
-    out = {}
-    for key, value in config.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict) and value:
-            out.update(flatten(value, name + "."))
-        else:
-            out[name] = value
-    return out
-
-
 def latest_rows(columns: dict[str, np.ndarray], by_block: bool) -> dict[str, np.ndarray]:
     """Drop rows that a later rerun of the same round supersedes.
 

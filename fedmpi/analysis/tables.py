@@ -27,7 +27,8 @@ import math
 import numpy as np
 
 from fedmpi.analysis import metrics
-from fedmpi.analysis.runs import Run, flatten
+from fedmpi.analysis.runs import Run
+from fedmpi.config import flatten
 from fedmpi.errors import UsageError
 from fedmpi.results import schema
 

@@ -11,6 +11,7 @@ import os
 
 from .base import Comm, Ledger, as_array
 from .local import LocalComm
+from .mpi import MPIComm   # mpi4py itself is loaded by MPIComm(), never by this import
 
 _LAUNCHER_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS")
 
@@ -29,8 +30,6 @@ def make_comm() -> Comm:
     size = launched_size()
     if size is None or size == 1:
         return LocalComm()
-    from .mpi import MPIComm
-
     comm = MPIComm()
     return comm if comm.size > 1 else LocalComm()
 

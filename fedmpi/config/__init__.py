@@ -25,7 +25,7 @@ Sections of a TOML file (every key optional)::
     [train]      local_epochs, batch_size, lr, lr_schedule, lr_decay, lr_step, lr_min,
                  warmup_rounds, local_schedule, local_decay, local_warmup, momentum,
                  nesterov, optimizer (sgd | adam), adam_betas, adam_eps, weight_decay,
-                 clip_norm, global_lr
+                 grad_clip, global_lr
     [eval]       every, batch_size, update_stats, and for self-supervised runs the probes
                  (probes, probe_every, linear_epochs, finetune_epochs, finetune_fractions, finetune_head,
                  local_spectra)
@@ -35,17 +35,19 @@ Sections of a TOML file (every key optional)::
 
 from .coerce import INT_MAX, SEED_MAX, build, check_scalar, field_error
 from .schema import (OPEN_SECTIONS, AlgorithmConfig, ClientsConfig, DataConfig, EvalConfig,
-                     ExperimentConfig, ModelConfig, PartitionConfig, SystemConfig, TrainConfig)
+                     ExperimentConfig, ModelConfig, PartitionConfig, SystemConfig, TrainConfig,
+                     flatten)
 from .sources import (CONFIG_MAX_BYTES, apply_overrides, load_file, load_preset, parse_override,
                       presets, read_toml_file, resolve)
 from .toml import to_toml, toml_value
-from .validate import NAME_MAX, PRECISIONS, PROBES, from_dict, import_plugins, resolve_and_validate
+from .validate import NAME_MAX, from_dict, import_plugins, resolve_and_validate
+from .vocab import PRECISIONS, PROBES
 
 __all__ = [
     "AlgorithmConfig", "CONFIG_MAX_BYTES", "ClientsConfig", "DataConfig", "EvalConfig",
     "ExperimentConfig", "INT_MAX", "ModelConfig", "NAME_MAX", "OPEN_SECTIONS", "PRECISIONS",
     "PROBES", "PartitionConfig", "SEED_MAX", "SystemConfig", "TrainConfig", "apply_overrides",
-    "build", "check_scalar", "field_error", "from_dict", "import_plugins", "load_file",
+    "build", "check_scalar", "field_error", "flatten", "from_dict", "import_plugins", "load_file",
     "load_preset", "parse_override", "presets", "read_toml_file", "resolve",
     "resolve_and_validate", "to_toml", "toml_value",
 ]

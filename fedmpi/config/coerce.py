@@ -11,7 +11,7 @@ import math
 from typing import Any, get_type_hints
 
 from ..errors import UsageError, did_you_mean
-from .schema import OPEN_SECTIONS
+from .schema import OPEN_SECTIONS, ExperimentConfig
 
 
 # Integers end up in numpy and torch int64 arithmetic (sizes, counts, rounds, products of
@@ -150,8 +150,6 @@ def build(cls, values: dict, prefix: str):
 def field_paths() -> tuple[str, ...]:
     """Every section and fixed field of a config as a dotted path (``train``, ``train.lr``,
     ``seed``): what an unknown key is matched against (``--set lr=0.1`` -> ``train.lr``)."""
-    from .schema import ExperimentConfig
-
     paths = []
     for top in dataclasses.fields(ExperimentConfig):
         paths.append(top.name)

@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..errors import UsageError
+
 
 @dataclass
 class DataConfig:
@@ -106,7 +108,8 @@ class TrainConfig:
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])   # adam's (beta1, beta2)
     adam_eps: float = 1e-8             # adam's epsilon, added to the root of the second moment
     weight_decay: float = 0.0
-    clip_norm: float = 10.0            # clip the local gradient to this L2 norm; 0 = off
+    grad_clip: float = 10.0            # clip each local step's gradient to this L2 norm; 0 = off
+                                       # (was clip_norm, still read: RENAMED)
     global_lr: float = 1.0             # eta_g
 
 
@@ -270,6 +273,52 @@ class ExperimentConfig:
         for section, extra in OPEN_SECTIONS.items():
             out[section].update(out[section].pop(extra))
         return out
+
+
+# fields renamed since they were first written: old dotted name -> new. A config given
+# the old name (a TOML file, --set, a sweep's axis, a results file written before) means
+# the new one; the resolved config, and every file written since, says the new one.
+RENAMED = {"train.clip_norm": "train.grad_clip"}   # per-step gradient clipping, not an update's
+
+
+def renamed(path: list[str]) -> list[str]:
+    """A dotted field path under its current name."""
+    return RENAMED.get(".".join(path), ".".join(path)).split(".")
+
+
+def upgrade(values: dict) -> dict:
+    """``values`` (plain config data) with renamed fields under their current names: the
+    same object where none is there, else a copy. Both names at once is refused."""
+    moves = []
+    for old, new in RENAMED.items():
+        (section, key), (_, key_new) = old.split("."), new.split(".")
+        node = values.get(section)
+        if isinstance(node, dict) and key in node:
+            if key_new in node:
+                raise UsageError(f"config field {new}: given also by its old name {old}; "
+                                 f"keep one ({new})")
+            moves.append((section, key, key_new))
+    if not moves:
+        return values
+    values = {k: dict(v) if isinstance(v, dict) else v for k, v in values.items()}
+    for section, key, key_new in moves:
+        values[section] = {(key_new if k == key else k): v for k, v in values[section].items()}
+    return values
+
+
+def flatten(config: dict, prefix: str = "") -> dict:
+    """Nested config -> {"train.lr": 0.05, ...}; lists stay values (model.channels). Every
+    non-empty table is opened, a section's or one inside an open section alike: how runs
+    and ranks compare configs key by key (``_flat``, which keeps the tables inside a
+    section whole, names the results file)."""
+    out = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
 
 
 def _flat(values: dict, prefix: str = "") -> dict:

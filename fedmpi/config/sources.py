@@ -15,7 +15,8 @@ from typing import Any
 from ..errors import UsageError, did_you_mean
 from .coerce import type_hints
 from .paths import anchor_inputs
-from .schema import ExperimentConfig
+from .schema import ExperimentConfig, renamed, upgrade
+from .toml import toml_value
 from .validate import from_dict
 
 
@@ -144,11 +145,12 @@ def apply_overrides(values: dict, overrides: list[str], sources: dict | None = N
     and a new ``algorithm.base`` (FNR-FL) drops ``base_params``. ``sources`` (parameter ->
     where it came from) is updated; ``notes`` gets one line per dropped parameter that the
     new algorithm also takes (it now has its default, not the old algorithm's value)."""
-    values = copy.deepcopy(values)
+    values = copy.deepcopy(upgrade(values))
     sources = {} if sources is None else sources
     notes = [] if notes is None else notes
     for text in overrides:
         path, value = parse_override(text)
+        path = renamed(path)   # --set train.clip_norm=5 sets train.grad_clip
         node = values
         for part in path[:-1]:
             node = node.setdefault(part, {})
@@ -217,8 +219,6 @@ def _drop_base_params(node: dict, overrides: list[str], base, sources: dict,
 
 
 def _show(value) -> str:
-    from .toml import toml_value
-
     try:
         return toml_value(list(value) if isinstance(value, tuple) else value)
     except Exception:   # noqa: BLE001 - a note must never fail the resolution
@@ -227,6 +227,7 @@ def _show(value) -> str:
 
 def _algorithm_defaults(name) -> dict:
     """Parameter -> default of algorithm ``name`` (empty if it is unknown, e.g. a typo)."""
+    # deferred: fedmpi.algorithms imports this package and torch (validate.py says why)
     from ..algorithms import REGISTRY
     from ..algorithms.params import default_of
 

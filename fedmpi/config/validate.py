@@ -9,13 +9,22 @@ results file says what actually ran). The ``_validate_*`` helpers only check.
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import inspect
 import os
 import socket
 from pathlib import Path
 
 from .coerce import build, check_scalar, field_error, one_of as _one_of, positive as _positive
-from .schema import OPEN_SECTIONS, ExperimentConfig
+from .schema import OPEN_SECTIONS, ExperimentConfig, upgrade
 from .validate_system import validate_system_model
+from .vocab import (ASYNC_MODES, DOWN_CODECS, EMPTY_ROUNDS, FEEDBACK, FINETUNE_HEADS,
+                    LOCAL_OPTIMIZERS, LOCAL_SCHEDULES, PRECISIONS, PROBES, ROUND_SCHEDULES,
+                    SAMPLING, UP_CODECS)
+
+# deferred imports: fedmpi.algorithms imports this package (a cycle at load time), and it,
+# .models and .data import torch, which this package must not load: fedmpi.analysis,
+# torch-free, imports it. The checks that need them import them when they run.
 
 NAME_MAX = 255  # bytes in one file name on every common file system
 PATH_MAX = 4096  # bytes in a path the kernel takes (Linux), with its closing NUL
@@ -23,7 +32,7 @@ PATH_MAX = 4096  # bytes in a path the kernel takes (Linux), with its closing NU
 
 def from_dict(values: dict) -> ExperimentConfig:
     """Plain config data (a TOML file's, a results file's) -> the resolved, checked config."""
-    config = build(ExperimentConfig, values, "")
+    config = build(ExperimentConfig, upgrade(values), "")
     import_plugins(config.plugins)
     resolve_and_validate(config)
     return config
@@ -33,8 +42,6 @@ def import_plugins(modules: list[str]) -> None:
     """Import user modules whose ``@register`` adds algorithms (``fedmpi.algorithms.register``)
     or datasets (``fedmpi.data.register``): fedmpi never edits core code for a new method
     or a new dataset."""
-    import importlib
-
     for name in modules:
         try:
             importlib.import_module(name)
@@ -62,7 +69,7 @@ def resolve_and_validate(c: ExperimentConfig) -> None:
         _positive(name, value)
     _positive("eval.batch_size", c.eval.batch_size, allow_zero=True)
     for name, value in (("train.weight_decay", c.train.weight_decay),
-                        ("train.clip_norm", c.train.clip_norm), ("system.threads", c.system.threads),
+                        ("train.grad_clip", c.train.grad_clip), ("system.threads", c.system.threads),
                         ("data.crop_padding", c.data.crop_padding),
                         ("data.public_size", c.data.public_size),
                         ("system.state_memory_mb", c.system.state_memory_mb),
@@ -103,8 +110,6 @@ def resolve_and_validate(c: ExperimentConfig) -> None:
 
 def _validate_train(c: ExperimentConfig) -> None:
     """The local optimizer: schedules by name, their parameters in range."""
-    from ..algorithms.schedule import LOCAL_SCHEDULES, ROUND_SCHEDULES
-
     tr = c.train
     _one_of("train.lr_schedule", tr.lr_schedule, ROUND_SCHEDULES)
     _one_of("train.local_schedule", tr.local_schedule, LOCAL_SCHEDULES)
@@ -132,9 +137,6 @@ def _validate_train(c: ExperimentConfig) -> None:
     if tr.nesterov and not tr.momentum:
         raise field_error("train.nesterov", "needs train.momentum > 0 (Nesterov is a kind of "
                                             "momentum)")
-
-
-LOCAL_OPTIMIZERS = ("sgd", "adam")   # train.optimizer (fedmpi.algorithms.local_sgd)
 
 
 def _validate_optimizer_method(c: ExperimentConfig) -> None:
@@ -177,7 +179,6 @@ def group_refusal(c: ExperimentConfig) -> str | None:
     """Why this config's method or model cannot train in client groups, or None: refused
     for an explicit G > 1, and "auto" trains one client after another then."""
     from .. import algorithms, models
-    from ..runtime.asyncfl import MODES as ASYNC_MODES
 
     if c.system_model.policy in ASYNC_MODES:
         return (f"system_model.policy {c.system_model.policy!r} trains each client on its own "
@@ -198,7 +199,6 @@ def _validate_compression(c: ExperimentConfig) -> None:
     """``[compression]``: codecs from the lists, settings in range, and messages the
     algorithm declares compressible."""
     from .. import algorithms
-    from ..runtime.compression import DOWN_CODECS, FEEDBACK, UP_CODECS
 
     z = c.compression
     _one_of("compression.up", z.up, UP_CODECS)
@@ -298,8 +298,6 @@ def _validate_data_options(c: ExperimentConfig) -> None:
     sizes integers >= 1, fractions finite numbers, folders strings. The loader checks
     them again (ranges of its own, e.g. shakespeare's test_fraction in (0, 1)); here a
     wrong type fails before any MPI work."""
-    import inspect
-
     from ..data import DATASETS
 
     parameters = inspect.signature(DATASETS[c.data.dataset].load).parameters
@@ -336,15 +334,8 @@ def _validate_skew(c: ExperimentConfig) -> None:
 def _validate_sampling(c: ExperimentConfig) -> None:
     """Client sampling by name (fedmpi.runtime.plan.sample_clients); clients.per_round is
     in 1..clients.num for every scheme (bernoulli: the expected count, q = per_round / num)."""
-    from ..runtime.plan import EMPTY_ROUNDS, SAMPLING
-
     _one_of("clients.sampling", c.clients.sampling, SAMPLING)
     _one_of("clients.empty_rounds", c.clients.empty_rounds, EMPTY_ROUNDS)
-
-
-PROBES = ("linear", "finetune", "spectrum")
-FINETUNE_HEADS = ("raw", "l2")
-PRECISIONS = ("fp32", "tf32", "bf16")
 
 
 def _validate_probes(c: ExperimentConfig) -> None:

@@ -6,13 +6,17 @@ from __future__ import annotations
 
 from .coerce import field_error, one_of as _one_of, positive as _positive
 from .schema import ExperimentConfig
+from .vocab import ASYNC_MODES, AVAILABILITY, POLICIES, PROFILES, STALENESS, STEP_UNITS
+
+# deferred imports: fedmpi.runtime (the profile and trace files' readers, the clock's
+# bound, the participation stages' refusals) and fedmpi.algorithms import this package (a
+# cycle at load time) and torch, which this package must not load: fedmpi.analysis,
+# torch-free, imports it. The checks that need them import them when they run.
 
 
 def validate_system_model(c: ExperimentConfig) -> None:
     """``[system_model]``: names from the lists, numbers in range, and a policy other than
     waiting for all only with profiles to time the clients by."""
-    from ..runtime.asyncfl import MODES as ASYNC_MODES, STALENESS
-    from ..runtime.vclock import POLICIES, PROFILES, STEP_UNITS
     from ..runtime.vclock_inputs import check_config_clock
 
     m = c.system_model
@@ -39,7 +43,9 @@ def validate_system_model(c: ExperimentConfig) -> None:
                                                           "\"tiers\" or \"file\")")
         return
     if m.policy in ASYNC_MODES:
-        _validate_async(c)
+        # deferred (as above): what a participation stage refuses is the stage's own
+        from ..runtime.participation import refuse
+        refuse(c)
     if m.policy == "deadline" and not m.deadline:
         raise field_error("system_model.deadline", "policy \"deadline\" needs a deadline > 0 "
                                                    "(seconds a round waits)")
@@ -60,7 +66,7 @@ def _validate_availability(c: ExperimentConfig) -> tuple:
     client ids are checked here against clients.num; a dynamic one's (more identities
     than clients.num, known once the partition is made) when the clock is set up.
     Returns the profile table and the trace read (None where there is none)."""
-    from ..runtime.vclock import AVAILABILITY, read_profiles, read_trace
+    from ..runtime.vclock_inputs import read_profiles, read_trace
 
     m = c.system_model
     _one_of("system_model.availability", m.availability, AVAILABILITY)
@@ -129,57 +135,3 @@ def _validate_tiers(m) -> None:
                          not all(isinstance(x, str) and x for x in m.tier_names)):
         raise field_error("system_model.tier_names", f"must be distinct non-empty names, got "
                                                      f"{m.tier_names!r}")
-
-
-def _validate_async(c: ExperimentConfig) -> None:
-    """FedAsync and FedBuff: C in-flight clients of the population, K <= C, alpha in
-    (0, 1], uniform sampling of a static population, every client always available and
-    none dropping out, and a method they can serve."""
-    from ..runtime.asyncfl import concurrency
-
-    m, policy = c.system_model, f"system_model.policy {c.system_model.policy!r}"
-    if m.availability != "always":
-        raise field_error("system_model.availability", f"{policy} draws from the whole idle "
-                                                       f"population; availability is for the "
-                                                       f"synchronous policies: set \"always\"")
-    if m.dropout:
-        raise field_error("system_model.dropout", f"{policy} has no mid-round dropout (a "
-                                                  f"synchronous policies' setting); set 0")
-    C = concurrency(c)
-    if C > c.clients.num:
-        raise field_error("system_model.concurrency", f"{C} clients in flight, but clients.num "
-                                                      f"is {c.clients.num}")
-    if m.buffer > C:
-        raise field_error("system_model.buffer", f"must be <= system_model.concurrency (the "
-                                                 f"{C} clients in flight), got {m.buffer}")
-    if not 0 < m.mixing <= 1:
-        raise field_error("system_model.mixing", f"must be in (0, 1], got {m.mixing}")
-    if c.clients.sampling != "uniform":
-        raise field_error("clients.sampling", f"{policy} draws each new client uniformly from "
-                                              f"the idle ones; set \"uniform\"")
-    if c.clients.replace_prob:
-        raise field_error("clients.replace_prob", f"{policy} runs on a static population; set 0")
-    problem = async_refusal(c.algorithm.name)
-    if problem:
-        raise field_error("system_model.policy", problem)
-
-
-def async_refusal(name: str) -> str | None:
-    """Why asynchronous FL cannot run algorithm ``name``, or None. It replaces the server's
-    aggregation, so it serves methods whose server side is FedAvg's (one phase, the model
-    as the payload, the sample-weighted mean of the deltas, no server state): their local
-    update stays theirs."""
-    from .. import algorithms
-    from ..algorithms.base import Algorithm
-
-    hooks = ("init_server_state", "payload", "server_update", "contribution",
-             "contribution_sizes", "phase_participants", "gram_weighted", "traffic")
-
-    def able(cls) -> bool:
-        return len(cls.phases) == 1 and all(getattr(cls, h) is getattr(Algorithm, h) for h in hooks)
-
-    if able(algorithms.REGISTRY[name]):
-        return None
-    names = sorted(n for n, cls in algorithms.REGISTRY.items() if able(cls))
-    return (f"asynchronous FL serves methods with FedAvg's server side; {name!r} has its own; "
-            f"use one of {', '.join(names)}")

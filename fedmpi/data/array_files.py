@@ -17,6 +17,9 @@ import numpy as np
 
 from fedmpi.errors import UsageError
 
+# deferred imports: h5py (and fedmpi.hdf5, which imports it) for an HDF5 arrays file
+# alone: ~0.3 s that the .npz and .npy formats do without.
+
 SUFFIXES = {".npz": "npz", ".h5": "hdf5", ".hdf5": "hdf5"}
 _ZIP_MAGIC, _HDF5_MAGIC = b"PK", b"\x89HDF\r\n\x1a\n"
 

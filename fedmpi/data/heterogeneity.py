@@ -102,7 +102,7 @@ def plot_heatmap(counts: np.ndarray, path, title: str | None = None,
         title += f" (first {max_clients} of {len(counts)} clients)"
     fig = figures.new_figure("--plot", figsize=(min(4 + 0.05 * len(shown), 16),
                                                 min(2 + 0.25 * counts.shape[1], 12)))
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import MaxNLocator   # deferred: matplotlib is optional (figures.py)
     ax = fig.add_subplot()
     # Zeros are masked (white), so one sample (yellow end of viridis_r) stands out from none.
     image = ax.imshow(np.ma.masked_equal(shown.T, 0), aspect="auto", interpolation="nearest",

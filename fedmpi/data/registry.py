@@ -266,7 +266,7 @@ def check_dataset(ds, name: str, modality: str | None = None):
     float32 tabular features [N, F], int64 labels), consistent shapes and labels, of the
     registered ``modality``. Returns ``ds``; anything else is one UsageError naming the
     dataset."""
-    from fedmpi.data.sources import Dataset
+    from fedmpi.data.sources import Dataset   # deferred: sources imports this module
 
     where = f"dataset {name!r}"
 

@@ -134,7 +134,7 @@ def fingerprint(layout: Layout) -> str:
 
 def decode(files: list[Path]) -> np.ndarray:
     """uint8 [N, 3, 64, 64] RGB, filled in place (no list of per-image arrays)."""
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image, UnidentifiedImageError   # deferred: for this dataset's JPEGs alone
 
     out = np.empty((len(files), 3, IMAGE_SIZE, IMAGE_SIZE), np.uint8)
     for i, path in enumerate(files):

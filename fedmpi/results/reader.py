@@ -17,6 +17,7 @@ import h5py
 import numpy as np
 
 from fedmpi import __version__, hdf5
+from fedmpi.config.schema import upgrade
 from fedmpi.errors import UsageError
 from fedmpi.results import checkpoint, liveness, repair, schema
 
@@ -54,14 +55,18 @@ class RunFile:
         """Root attributes as Python values, JSON-encoded ones (config, hostnames) parsed."""
         raw = self._file.attrs
         json_keys = set(json.loads(raw.get("json_attrs", "[]")))
-        return {k: json.loads(raw[k]) if k in json_keys else _python(raw[k])
-                for k in raw if k != "json_attrs"}
+        out = {k: json.loads(raw[k]) if k in json_keys else _python(raw[k])
+               for k in raw if k != "json_attrs"}
+        if isinstance(out.get("config"), dict):   # renamed fields as ``config`` says them
+            out["config"] = upgrade(out["config"])
+        return out
 
     @property
     @_reads
     def config(self) -> dict:
-        """The resolved experiment config the run used."""
-        return json.loads(self._file.attrs["config"])
+        """The resolved experiment config the run used, fields renamed since under their
+        current names (``config.schema.RENAMED``), so files of every version compare."""
+        return upgrade(json.loads(self._file.attrs["config"]))
 
     @property
     @_reads

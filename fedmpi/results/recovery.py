@@ -5,11 +5,13 @@ short. Both salvage into a hidden file beside it (``writer._temporary``)."""
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 from fedmpi import hdf5
 from fedmpi.errors import UsageError
 from fedmpi.results import liveness, repair, schema
+from fedmpi.results.lock import busy_message
 from fedmpi.results.writer import _temporary
 
 
@@ -34,7 +36,6 @@ def recover_crashed(path) -> str | None:
         raise UsageError(liveness.held_message(path))
     writer = repair.recorded_writer(path)
     if liveness.state(writer) == liveness.ALIVE:
-        from fedmpi.results.lock import busy_message
         raise UsageError(busy_message(path, writer))
     temporary = _temporary(path, "recover")
     try:
@@ -57,7 +58,6 @@ def damaged(path) -> str | None:
     why = repair.damage(path)
     if why is None:
         return None
-    import tempfile
     with tempfile.TemporaryDirectory(dir=path.parent if os.access(path.parent, os.W_OK) else None) as d:
         found = _salvage(path, Path(d) / "salvage.h5")
     return f"results file {path} is damaged ({why}) and cannot be resumed; {found.summary()}"

@@ -17,10 +17,15 @@ copies every object that can be read from such a view into a fresh file.
 from __future__ import annotations
 
 import io
+import json
 import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+
+import h5py
+
+from fedmpi import hdf5
 
 SIGNATURE = b"\x89HDF\r\n\x1a\n"
 _HEAD = 12                 # signature, version, size of offsets, size of lengths, flags
@@ -124,10 +129,6 @@ class ReadView(io.RawIOBase):
 def recorded_writer(path):
     """The root attribute ``writer`` (``fedmpi.results.liveness``) read through a
     ``ReadView``, so even from a file HDF5 would refuse; None if absent or unreadable."""
-    import json
-
-    import h5py
-
     try:
         with ReadView(path) as view, h5py.File(view, "r") as f:
             raw = f.attrs.get("writer")
@@ -139,10 +140,6 @@ def recorded_writer(path):
 def salvage(path, dest, libver) -> list[str]:
     """Copy every object of ``path`` that can be read (through a ``ReadView``) into a new
     file ``dest``; returns the names of the objects that could not be read."""
-    import h5py
-
-    from fedmpi import hdf5
-
     lost: list[str] = []
     with ReadView(path) as view, h5py.File(view, "r") as src, \
             hdf5.File(dest, "w", libver=libver) as dst:
@@ -175,8 +172,6 @@ def assess(copy, lost: list[str]) -> Assessment:
     """Judge a ``salvage`` copy: a run can resume from it when everything a resume reads
     survived (the config, the partition, the layout, every column) and at most the
     checkpoint slot that was being written when the writer died is lost."""
-    from fedmpi import hdf5
-
     with hdf5.File(copy, "r") as f:
         config = "config" in f.attrs
         columns = [f[g] for g in ("rounds", "clients") if g in f]
@@ -198,14 +193,10 @@ def assess(copy, lost: list[str]) -> Assessment:
 
 
 def json_fields(group) -> set[str]:
-    import json
-
     return set(json.loads(group.attrs.get("fields", "[]")))
 
 
 def _copy_group(src, dst, prefix: str, lost: list[str]) -> None:
-    import h5py
-
     try:
         names = list(src)
     except Exception:   # noqa: BLE001 - any HDF5 error here means "unreadable"

@@ -95,7 +95,7 @@ class ResultsWriter:
             _set_attrs(h5file, {"status": "running", **attrs})
             return int(h5file["model/layout/sizes"][()].sum())
 
-        return cls._into_swmr(_reopen(path), path, fill)
+        return cls._into_swmr(reopen(path), path, fill)
 
     @classmethod
     def _into_swmr(cls, h5file: h5py.File, path: Path, fill) -> "ResultsWriter":
@@ -197,7 +197,7 @@ class ResultsWriter:
         """
         self._file.close()
         try:
-            self._file = _reopen(self.path)
+            self._file = reopen(self.path)
         except FileNotFoundError:   # `rm` of the file: what it held went with it
             raise FileReplacedError(f"results file {self.path} was removed by another process "
                                     f"during this run; its rounds went with it") from None
@@ -327,7 +327,7 @@ def _reason(exc: OSError) -> str:
     return exc.strerror or " ".join(str(exc).split())
 
 
-def _reopen(path: Path) -> h5py.File:
+def reopen(path: Path) -> h5py.File:
     """Reopen for writing without a lock: live SWMR readers hold a shared one.
 
     A reader in this same process shares HDF5's file object, whose locking flag must

@@ -45,9 +45,8 @@ import torch
 from ..errors import UsageError
 from .plan import sample_clients
 
-MODES = ("fedasync", "fedbuff")
+from ..config.vocab import ASYNC_MODES as MODES  # noqa: F401 (re-exported)
 STATE_KEYS = ("async_versions", "async_version_ids")   # what a checkpoint keeps (state_dict)
-STALENESS = ("constant", "polynomial")
 CLIENT_FIELDS = ["staleness"]
 
 

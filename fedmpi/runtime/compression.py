@@ -48,9 +48,6 @@ from ..config.schema import CompressionConfig
 from ..flat import WIRE_BYTES
 from .rng import torch_generator
 
-UP_CODECS = ("none", "fp16", "bf16", "qsgd", "topk", "randk", "sign")
-DOWN_CODECS = ("none", "fp16", "bf16")
-FEEDBACK = ("ef", "ef21")
 CASTS = {"fp16": torch.float16, "bf16": torch.bfloat16}
 RANDOM = ("qsgd", "randk")   # codecs that draw from the client's keyed stream
 

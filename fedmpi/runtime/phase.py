@@ -4,10 +4,13 @@ The runtime runs it over MPI or in one process; the test harness runs the same c
 ``LocalComm`` with closed-form clients, so algorithm tests check the runtime's ordering.
 
 1. announce: server picks the participants, places them, broadcasts plan + payload;
-2. train: workers train their clients and fold contributions in as they come;
-3. reduce: the server gets the sum (one Reduce, or in client order if deterministic),
-   the per-client rows (client order) and the new client states;
-4. update: the server applies the algorithm's update.
+2. train: workers train their clients; each upload goes through the client stages
+   (fedmpi.runtime.stages: codec, staleness, update statistics) into the phase's
+   aggregator (fedmpi.runtime.aggregate) as it comes;
+3. reduce: the aggregator's sums on the server, the per-client rows (client order) and
+   the new client states;
+4. update: the server takes the stages' extra sums out, applies the algorithm's update
+   (or the participation's: FedAsync's mix), and makes the round's diagnostics.
 """
 
 from __future__ import annotations
@@ -23,12 +26,12 @@ import torch
 from .. import algorithms
 from ..algorithms import schedule
 from ..flat import host_vector
-from . import gram
+from .aggregate import aggregator_for, split
 from .asyncfl import Versions
 from .compression import Compression
 from .plan import groups, place
 from .records import Timers, Traffic
-from .stats import STAT_SIZES_KEYS, stat_contribution
+from .stages import ClientStage, Encode, state_sizes
 
 ROW = ["client", "rank", "n_samples", "steps", "train_loss", "update_norm", "seconds"]
 
@@ -46,7 +49,6 @@ class PhaseResult:
     """Server side of a phase: what server_update received, and the rows for /clients."""
     sums: dict
     gathered: dict
-    stats: list          # the update statistics' two sums (first phase, eval.update_stats)
     diagnostics: dict
     rows: dict           # gathered + phase, bytes_down, bytes_up
 
@@ -54,7 +56,8 @@ class PhaseResult:
 @dataclass
 class Phases:
     """What a phase needs from the world. ``make_task(c, ctx, p)``: client c's ClientTask;
-    ``store``: the server's client states (get/put); ``steps``: placement weights."""
+    ``store``: the server's client states (get/put); ``steps``: placement weights;
+    ``stages``: the client stages in order (None: the codecs' alone)."""
     comm: object
     alg: object
     d: int
@@ -64,17 +67,20 @@ class Phases:
     make_task: Callable
     store: object = None
     deterministic: bool = False
-    update_stats: bool = False
     group: int = 1          # system.client_group, resolved: clients trained in lock-step
     codecs: Compression | None = None   # the run's codecs; None: no compression
-    gram_space: gram.Workspace = field(default_factory=gram.Workspace)   # kept across rounds
+    stages: list[ClientStage] | None = None
+    aggregators: list = field(init=False)   # one a phase, kept across rounds
 
     def __post_init__(self):
         if self.codecs is None:
             self.codecs = Compression(None, self.alg, self.d)
-        # the client states: the algorithm's, then the codecs' error feedback
+        if self.stages is None:
+            self.stages = [Encode(self.codecs)]
         self.alg_states = self.alg.client_state_sizes(self.d)
-        self.state_sizes = {**self.alg_states, **self.codecs.state_sizes()}
+        self.state_sizes = state_sizes(self.alg, self.d, self.stages)
+        self.aggregators = [aggregator_for(self.alg, phase, self.comm, self.device,
+                                           self.deterministic, self.d) for phase in self.alg.phases]
 
     def run(self, state, t: int, p: int, phase: str, sampled, timers: Timers,
             traffic: Traffic, stop=None, after_client=None, versions: Versions | None = None
@@ -92,35 +98,34 @@ class Phases:
         ctx = self.context(t, phase, participants)
         states = self.scatter_states(assignment)
         t0 = time.perf_counter()
-        folded, rows, new_states, vectors, aside = self.train(                          # 2
-            assignment, payload, states, ctx, p, after_client, of)
+        rows, new_states, aside = self.train(assignment, payload, states, ctx, p,        # 2
+                                             after_client, of)
         timers.eval += aside
         timers.compute += time.perf_counter() - t0 - aside
-        sums = self.collect_sums(folded, assignment, p)                                 # 3
-        if alg.gram_weighted(phase):
-            t0 = time.perf_counter()
-            combined, _ = gram.weighted_sum(comm, vectors, assignment, self.d,
-                                            lambda inner: alg.gram_coefficients(inner, ctx),
-                                            workspace=self.gram_space)
-            timers.aggregate += time.perf_counter() - t0
-            if comm.is_server:
-                sums["delta"] = combined
+        sums = self.aggregators[p].reduce(assignment, ctx, timers)                       # 3
         gathered = self.collect_rows(rows, phase)
         self.gather_states(new_states)
         if not comm.is_server:
             return None
-        stats = [sums.pop(key) for key in STAT_SIZES_KEYS if key in sums] if p == 0 else []
+        extra = {k: sums.pop(k) for stage in self.stages for k in stage.sums(p, self.d)}
         t0 = time.perf_counter()
         update = versions.update if versions is not None and versions.update else alg.server_update
         update(state, sums, gathered, ctx)                                              # 4
         timers.aggregate += time.perf_counter() - t0
-        diagnostics = alg.diagnostics(state, sums, gathered, ctx)
+        diagnostics = self.summarize(p, extra, gathered)
+        diagnostics.update(alg.diagnostics(state, sums, gathered, ctx))
         down, up = self.codecs.message_bytes(self.d, phase)
         n = len(participants)
         traffic.add(down, up, n)
         rows = {**self.unused_columns(phase, n), **gathered, "phase": np.full(n, p),
                 "bytes_down": np.full(n, down), "bytes_up": np.full(n, up)}
-        return PhaseResult(sums, gathered, stats, diagnostics, rows)
+        return PhaseResult(sums, gathered, diagnostics, rows)
+
+    def summarize(self, p: int, extra: dict, gathered: dict) -> dict:
+        diagnostics = {}
+        for stage in self.stages:
+            diagnostics.update(stage.summarize(p, extra, gathered))
+        return diagnostics
 
     def announce(self, state, t, phase, sampled, stop, versions=None):
         """Server -> all: participants, placement and the payload (one flat buffer).
@@ -159,11 +164,11 @@ class Phases:
         return participants, assignment, split(buf, spec, self.device), of
 
     def sizes(self, p: int) -> dict[str, int]:
-        """What is summed in phase p: the algorithm's contributions, plus the update
-        statistics' two vectors in the first phase when ``eval.update_stats`` is on."""
+        """What is summed in phase p: the algorithm's contributions, then the stages'
+        extra sums (the update statistics' two vectors in the first phase)."""
         sizes = dict(self.alg.contribution_sizes(self.d, self.alg.phases[p]))
-        if p == 0 and self.update_stats:
-            sizes.update({key: self.d for key in STAT_SIZES_KEYS})
+        for stage in self.stages:
+            sizes.update(stage.sums(p, self.d))
         return sizes
 
     def train(self, assignment, payload, states, ctx, p, after_client=None, of=None):
@@ -171,22 +176,21 @@ class Phases:
         groups: a group's at the end of the group). ``of`` (asynchronous FL): client ->
         (model version, the scale of its contribution's delta, the round key of its data):
         each trains on its version's payload with that version's round lr."""
-        sizes = self.sizes(p)
-        folded = Contributions(sizes, self.device, keep_each=self.deterministic)
-        rows, new_states, vectors, aside = [], {}, {}, 0.0
-        keep = self.alg.gram_weighted(ctx.phase)
+        aggregator = self.aggregators[p]
+        aggregator.begin(self.sizes(p))
+        rows, new_states, aside = [], {}, 0.0
         mine = np.asarray(assignment[self.comm.worker_index] if self.comm.is_worker else [])
 
         def fold(c, upload, seconds, scale=1.0):
-            upload, feedback = self.codecs.upload(upload, states.get(c), (ctx.round, c, p))
+            feedback = {}
+            for stage in self.stages:
+                upload, kept = stage.upload(upload, states.get(c), (ctx.round, c, p))
+                feedback.update(kept)
             contribution = self.alg.contribution(upload)
-            if scale != 1.0:   # a stale update's weight (FedBuff)
-                contribution = {**contribution, "delta": contribution["delta"] * scale}
-            if STAT_SIZES_KEYS[0] in sizes:
-                contribution = {**contribution, **stat_contribution(upload.delta)}
-            folded.add(contribution, c)
-            if keep:  # the gram path needs each client's update (host memory: K_w d)
-                vectors[c] = upload.delta.detach().float().cpu()
+            meta = {"phase": p, "scale": scale}
+            for stage in self.stages:
+                contribution = stage.contribute(contribution, upload, meta)
+            aggregator.fold(c, contribution, upload.delta)
             if upload.state is not None or feedback:
                 new_states[c] = {**states.get(c, {}), **{k: v.detach().cpu().numpy() for k, v in
                                                          {**(upload.state or {}), **feedback}.items()}}
@@ -211,7 +215,7 @@ class Phases:
                     aside += after_client(c, upload)
                 fold(c, upload, time.perf_counter() - t0, scale)
         table = np.asarray(rows, dtype=np.float64).reshape(-1, self.row_width(ctx.phase))
-        return folded, table, new_states, [vectors[c] for c in sorted(vectors)], aside
+        return table, new_states, aside
 
     def train_groups(self, mine, payload, states, ctx, p, fold) -> None:
         """This worker's client groups (plan.groups of the phase's participants: the
@@ -252,29 +256,13 @@ class Phases:
         return {name: np.full((n, size) if size > 1 else n, math.nan)
                 for name, size in self.alg.gather_sizes(self.d).items() if name not in used}
 
-    def collect_sums(self, folded: "Contributions", assignment, p: int) -> dict | None:
-        """Sum of contributions on the server: one Reduce, or in client order if deterministic."""
-        comm, sizes = self.comm, self.sizes(p)
-        if folded.keep_each:
-            parts = comm.gatherv(folded.host().reshape(-1).numpy())
-            if not comm.is_server:
-                return None
-            workers = parts[1:] if comm.size > 1 else parts
-            total = sum_in_client_order(workers, assignment, folded.total)
-        else:
-            total = host_vector(folded.total) if comm.is_server else None
-            comm.reduce_sum(folded.host(), total)
-            if not comm.is_server:
-                return None
-        return split(total, list(sizes.items()), torch.device("cpu"))
-
     def empty(self, p: int, phase: str) -> PhaseResult:
         """The server's result of a phase nobody took part in: no sums, no rows, no
         server_update (the global model and the server state stay as they are)."""
         gathered = self.columns(np.zeros((0, self.row_width(phase))), phase)
         rows = {**self.unused_columns(phase, 0), **gathered, "phase": np.full(0, p),
                 "bytes_down": np.full(0, 0), "bytes_up": np.full(0, 0)}
-        return PhaseResult({}, gathered, [], {}, rows)
+        return PhaseResult({}, gathered, self.summarize(p, {}, gathered), rows)
 
     def collect_rows(self, rows, phase: str) -> dict | None:
         parts = self.comm.gatherv(rows.reshape(-1))
@@ -353,71 +341,9 @@ def round_context(config, t, phase, participants) -> algorithms.RoundContext:
     return algorithms.RoundContext(
         round=t, phase=phase, lr=lr, lr_prev=schedule.previous_lr(tr, t, config.rounds, lr),
         global_lr=tr.global_lr,
-        weight_decay=tr.weight_decay, clip_norm=tr.clip_norm, local_epochs=tr.local_epochs,
+        weight_decay=tr.weight_decay, grad_clip=tr.grad_clip, local_epochs=tr.local_epochs,
         batch_size=tr.batch_size, num_clients=config.clients.num,
         participants=tuple(int(c) for c in participants), seed=config.seed,
         momentum=tr.momentum, nesterov=tr.nesterov, local_schedule=tr.local_schedule,
         local_decay=tr.local_decay, local_warmup=tr.local_warmup, optimizer=tr.optimizer,
         adam_betas=(float(tr.adam_betas[0]), float(tr.adam_betas[1])), adam_eps=tr.adam_eps)
-
-
-class Contributions:
-    """A worker's contributions: a running sum (fast mode) or one flat vector per client
-    in training order (deterministic mode, summed in client order on the server)."""
-
-    def __init__(self, sizes: dict[str, int], device, keep_each: bool):
-        self.sizes, self.device, self.keep_each = sizes, device, keep_each
-        self.total = sum(sizes.values())
-        self.sum = None if keep_each else self._new(zeros=True)
-        self.each: dict[int, torch.Tensor] = {}
-
-    def _new(self, zeros: bool) -> torch.Tensor:
-        if self.device.type == "cpu":
-            return host_vector(self.total, zeros)
-        return (torch.zeros if zeros else torch.empty)(self.total, device=self.device)
-
-    def add(self, contribution: dict[str, torch.Tensor], client: int) -> None:
-        target = self._new(zeros=False) if self.keep_each else None
-        offset = 0
-        for name, n in self.sizes.items():
-            piece = contribution[name].reshape(-1)
-            if self.keep_each:
-                target[offset:offset + n] = piece
-            else:
-                self.sum[offset:offset + n] += piece
-            offset += n
-        if self.keep_each:
-            self.each[client] = target.cpu()
-
-    def host(self) -> torch.Tensor:
-        """The running sum, or the per-client vectors in ascending client id (the order
-        of the worker's assignment, which the server's in-order sum expects)."""
-        if not self.keep_each:
-            return self.sum.cpu()
-        each = [self.each[c] for c in sorted(self.each)]
-        return torch.stack(each) if each else torch.zeros(0, self.total)
-
-
-def sum_in_client_order(parts, assignment, total: int) -> torch.Tensor:
-    """Add per-client vectors in ascending client id, whichever worker sent them.
-
-    ``parts[w]`` holds worker w's vectors in the order of ``assignment[w]``. The float32
-    additions happen in one fixed order, so the sum is the same bits for any layout.
-    """
-    by_client = {}
-    for clients, part in zip(assignment, parts):
-        for c, vec in zip(np.asarray(clients).tolist(), part.reshape(-1, total)):
-            by_client[c] = vec
-    out = host_vector(total)
-    for c in sorted(by_client):
-        out += torch.from_numpy(by_client[c])
-    return out
-
-
-def split(buf: torch.Tensor, spec, device) -> dict[str, torch.Tensor]:
-    out, offset = {}, 0
-    buf = buf.to(device)
-    for name, n in spec:
-        out[name] = buf[offset:offset + n]
-        offset += n
-    return out

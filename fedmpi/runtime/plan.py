@@ -10,8 +10,7 @@ from ..errors import UsageError
 from .rng import numpy_rng
 
 # clients.sampling: how S_t is drawn; clients.empty_rounds: what an empty draw means
-SAMPLING = ("uniform", "bernoulli", "size")
-EMPTY_ROUNDS = ("redraw", "skip")
+from ..config.vocab import EMPTY_ROUNDS, SAMPLING
 
 
 def sample_clients(seed: int, round_: int, num_clients: int, per_round: int,

@@ -18,9 +18,18 @@ from pathlib import Path
 
 import torch
 
+from .. import algorithms
+from ..comm import LocalComm
+from ..config import apply_overrides, from_dict, parse_override
+from ..errors import UsageError
 from ..evaluation import (effective_rank, probe_column, probe_tasks, run_probe, spectrum,
                           spectrum_worker)
+from ..results import RunFile
+from ..results.reader import not_a_file
+from ..results.writer import append_eval, reopen
 from .rng import key_seed
+from .runfile import take_over
+from .world import build_world
 
 
 def run(comm, encoder, data, num_classes: int, config, round_: int, local=None):
@@ -67,11 +76,6 @@ def evaluate_file(path, probe_names=(), overrides=(), quiet: bool = False) -> di
     """``fedmpi evaluate``: probe the final model of a finished self-supervised run (one
     process) and append the row to the file's /eval. ``probe_names`` default to the
     run's eval.probes, else linear + spectrum; ``overrides`` are eval.<field>=<value>."""
-    from ..config import parse_override
-    from ..errors import UsageError
-    from ..results.reader import not_a_file
-    from .runfile import take_over
-
     for text in overrides:
         if parse_override(text)[0][0] != "eval":
             raise UsageError(f"--set {text!r}: evaluate takes eval.<field> only")
@@ -88,14 +92,6 @@ def evaluate_file(path, probe_names=(), overrides=(), quiet: bool = False) -> di
 
 
 def _evaluate_locked(path, probe_names, overrides, quiet: bool) -> dict:
-    from .. import algorithms
-    from ..comm import LocalComm
-    from ..config import apply_overrides, from_dict
-    from ..errors import UsageError
-    from ..results import RunFile
-    from ..results.writer import _reopen, append_eval
-    from .world import build_world
-
     with RunFile(path) as done:
         values, status, names = done.config, done.status, done.model_names()
         start = done.start_dir
@@ -121,7 +117,7 @@ def _evaluate_locked(path, probe_names, overrides, quiet: bool) -> dict:
     row, values, _ = run(comm, world.flat.module.encoder, world.data, world.dataset.num_classes,
                          config, completed)
     row["posthoc"] = 1.0
-    h5file = _reopen(path)
+    h5file = reopen(path)
     try:
         append_eval(h5file, row, values, None)
     finally:

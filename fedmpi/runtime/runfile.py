@@ -16,7 +16,7 @@ from ..errors import UsageError, warn
 from ..results import ResultsWriter, RunFile, checkpoint, liveness, schema
 from ..results.lock import RunLock
 from ..results.recovery import recover_crashed
-from . import asyncfl, vclock, vclock_inputs
+from . import participation
 from .records import RANK_FIELDS, ROUND_FIELDS, client_fields
 
 
@@ -44,17 +44,12 @@ def create_file(exp, dataset, ranks) -> bool:
     if sources is not None:
         provenance["algorithm_param_sources"] = dict(sources)
     partition = exp.split.file_datasets(dataset.train_y.numpy(), dataset.num_classes)
-    round_fields = ROUND_FIELDS + list(exp.alg.diagnostic_fields)
-    clients = client_fields(exp.alg, exp.d)
-    if exp.clock is not None:   # the devices under /partition, the clock's columns
-        provenance.update(step_time=exp.clock.step_time,
-                          step_time_measured=bool(cfg.system_model.measure_step_time),
-                          **vclock_inputs.input_digests(cfg, exp.clock))
-        partition.update({f"device_{k}": v for k, v in exp.clock.profiles.items()})
-        round_fields += vclock.ROUND_FIELDS
-        clients += vclock.CLIENT_FIELDS
-    if exp.asynchronous is not None:
-        clients += asyncfl.CLIENT_FIELDS
+    stage = exp.participation   # its columns, its provenance, its datasets under /partition
+    round_fields = ROUND_FIELDS + list(exp.alg.diagnostic_fields) + stage.round_fields
+    clients = client_fields(exp.alg, exp.d) + stage.client_fields
+    described, datasets = stage.describe()
+    provenance.update(described)
+    partition.update(datasets)
     exp.lock = RunLock.acquire(cfg.output_path())
     exp.writer = ResultsWriter.create(
         cfg.output_path(), config=cfg.to_dict(), provenance=provenance,
@@ -103,15 +98,7 @@ def resume_file(exp, dataset, ranks) -> bool:
         attrs = dict(run.attrs)
         rounds = run.rounds()
         evaluated = bool(np.any(rounds["round"] == 0))
-    if exp.clock is not None and exp.start:   # the virtual time the checkpoint's round ended at
-        exp.clock.now = float(rounds["virtual_time"][rounds["round"] == exp.start][-1])
-    if exp.clock is not None and "step_time" in attrs:   # a measured one is the file's
-        exp.clock.step_time = float(attrs["step_time"])
-    if exp.clock is not None:   # the devices and the trace a resume reads must be the run's
-        changed = vclock_inputs.input_changes(exp.config, exp.clock, stored, attrs)
-        if changed:
-            raise UsageError(f"--resume {path}: the virtual clock's inputs differ from the run's "
-                             f"({'; '.join(changed)})")
+    exp.participation.resume(path, exp.start, rounds, attrs, stored)
     # the data first: the partition is drawn from their labels
     data, was, now = exp.config.data, attrs.get("dataset_sha256"), dataset.sha256()
     if was is not None and was != now:   # files written before the digest have none
@@ -162,12 +149,8 @@ def load_checkpoint(exp, ckpt) -> None:
         raise UsageError(f"checkpoint lacks server state {missing} of algorithm "
                          f"{exp.config.algorithm.name!r}")
     exp.state = {k: torch.from_numpy(np.array(v)) for k, v in ckpt.server.items()}
-    saved = {k: exp.state.pop(k).numpy() for k in asyncfl.STATE_KEYS if k in exp.state}
-    if exp.asynchronous is not None:
-        if len(saved) < len(asyncfl.STATE_KEYS):
-            raise UsageError(f"checkpoint lacks the model versions of the clients in flight "
-                             f"(system_model.policy {exp.config.system_model.policy!r})")
-        exp.asynchronous.load_state_dict(saved)
+    exp.participation.restore({k: exp.state.pop(k).numpy() for k in participation.STATE_KEYS
+                               if k in exp.state})
     exp.store.load_state_dict(ckpt.states())
     exp.start = ckpt.round
 

@@ -23,32 +23,44 @@ def load_eval_model(exp) -> None:
         exp.flat.load(buf.to(exp.device))
 
 
-def evaluate(exp, timers) -> tuple[float, float]:
-    """(test_acc, test_loss) on the server, NaNs elsewhere; the time goes to timers.eval."""
-    t0 = time.perf_counter()
-    comm, bs = exp.comm, exp.eval_batch
-    load_eval_model(exp)
-    if not exp.alg.supervised:
-        return _evaluate_knn(exp, timers, t0)
-    rows = np.zeros((0, 4))
-    if comm.is_worker:
-        chunk_ids = chunks_of(len(exp.data.test_y), bs, comm.worker_index, comm.num_workers)
-        rows = evaluate_chunks(exp.flat.module, exp.data, chunk_ids, bs)
-    parts = comm.gatherv(rows.reshape(-1))
-    timers.eval += time.perf_counter() - t0
-    if not comm.is_server:
-        return math.nan, math.nan
-    return combine(np.concatenate(parts).reshape(-1, 4))
+class GlobalTest:
+    """A supervised model's test_acc and test_loss on the whole test set, its chunks
+    sharded over the workers and combined on the server in chunk order."""
+
+    def evaluate(self, exp, timers) -> tuple[float, float]:
+        """(test_acc, test_loss) on the server, NaNs elsewhere; the time goes to timers.eval."""
+        t0 = time.perf_counter()
+        comm, bs = exp.comm, exp.eval_batch
+        load_eval_model(exp)
+        rows = np.zeros((0, 4))
+        if comm.is_worker:
+            chunk_ids = chunks_of(len(exp.data.test_y), bs, comm.worker_index, comm.num_workers)
+            rows = evaluate_chunks(exp.flat.module, exp.data, chunk_ids, bs)
+        parts = comm.gatherv(rows.reshape(-1))
+        timers.eval += time.perf_counter() - t0
+        if not comm.is_server:
+            return math.nan, math.nan
+        return combine(np.concatenate(parts).reshape(-1, 4))
 
 
-def _evaluate_knn(exp, timers, t0) -> tuple[float, float]:
+class KNN:
     """A representation learner's test_acc: kNN accuracy of its encoder (k = 200,
-    temperature 0.1, bank = the training set), bank chunks sharded over workers."""
-    comm = exp.comm
-    partial = knn_worker(exp.flat.module.encoder, exp.data, comm.worker_index,
-                         comm.num_workers) if comm.is_worker else None
-    parts = comm.gather_obj(partial)
-    timers.eval += time.perf_counter() - t0
-    if not comm.is_server:
-        return math.nan, math.nan
-    return knn_accuracy(parts, exp.test_y, exp.num_classes), math.nan
+    temperature 0.1, bank = the training set), bank chunks sharded over workers; no
+    test_loss."""
+
+    def evaluate(self, exp, timers) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        comm = exp.comm
+        load_eval_model(exp)
+        partial = knn_worker(exp.flat.module.encoder, exp.data, comm.worker_index,
+                             comm.num_workers) if comm.is_worker else None
+        parts = comm.gather_obj(partial)
+        timers.eval += time.perf_counter() - t0
+        if not comm.is_server:
+            return math.nan, math.nan
+        return knn_accuracy(parts, exp.test_y, exp.num_classes), math.nan
+
+
+def evaluator(alg) -> GlobalTest | KNN:
+    """The run's evaluator stage, by what the method learns."""
+    return GlobalTest() if alg.supervised else KNN()

@@ -31,6 +31,7 @@ from typing import Iterable, Iterator, Mapping
 import numpy as np
 
 from ..errors import UsageError
+from ..results import liveness
 
 State = dict[str, np.ndarray]
 
@@ -192,8 +193,6 @@ class ClientStateStore:
 def _remove_dead(parent: Path) -> None:
     """Remove the spill directories in ``parent`` left by processes on this host that
     are gone (killed outright: no ``close``)."""
-    from ..results import liveness
-
     for old in liveness.left_by_the_dead(parent, "fedmpi-state-", "-*"):
         shutil.rmtree(old, ignore_errors=True)
 

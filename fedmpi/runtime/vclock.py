@@ -1,13 +1,8 @@
 """The virtual clock: how long a round would take on the simulated deployment, and who
-can take part in it.
+finishes it in time.
 
-With ``[system_model]`` on, every client has a device profile (``profiles``): drawn once
-from the seed (``"lognormal"``: a speed multiplier of the reference step time and a
-downlink and uplink bandwidth, lognormal around the configured medians, plus a fixed
-latency; ``"tiers"``: one of the named tiers, drawn by share) or read from a table
-(``"file"``: ``profile_file``, a CSV with a header row or an .npz with the columns client,
-speed, down_mbps, up_mbps, latency; every client id of the population exactly once; read
-and checked by fedmpi.runtime.vclock_inputs, as the availability trace is). A client's
+With ``[system_model]`` on, every client has a device (fedmpi.runtime.devices: a speed
+and bandwidths, drawn from the seed or read from ``profile_file``). A client's
 participation then takes, from the round's start,
 
     download = bytes_down * 8 / downlink + latency
@@ -30,31 +25,13 @@ how many they were. Round policies (``system_model.policy``):
   clients are selected (rounded up) and the first S to finish are kept; the round ends
   with the S-th.
 
-Availability (``system_model.availability``, synchronous policies only): the server
-samples S_t among the clients available in round t only (``sample_available``: the
-round's ``clients.sampling`` over the available subset; all of them when fewer than it
-needs are available, nobody when none is: the round then trains nobody). A client is
-available in round t
-
-- ``always``: always (the default; the run is the same as without the field);
-- ``bernoulli``: with probability ``availability_p``, independently per round;
-- ``markov``: when its two-state on/off chain is on; the chain starts from its stationary
-  distribution and steps once a round (on -> off with ``p_on_off``, off -> on with
-  ``p_off_on``); the state is the clock's, replayed from round 0 on resume;
-- ``diurnal``: with probability clip(base + amplitude sin(2 pi (h + phase_c) / 24), 0, 1)
-  (``diurnal_base``, ``diurnal_amplitude``), h the round's start in virtual hours and
-  phase_c a per-client offset, uniform in [0, 24) hours, drawn from the seed;
-- ``trace``: when the round's start virtual time t0 lies in one of its intervals
-  start <= t0 < end of ``availability_file`` (rows client, start, end in virtual seconds;
-  a client without rows never is). A round whose start finds nobody available starts
-  when the next interval opens (the server waits, idle); after the last one, rounds are
-  empty.
-
-Mid-round dropout (``system_model.dropout``): each selected client drops out during its
-participation with this probability; it downloaded but never uploads, so it is decided at
-sampling, not trained, and counted with the dropped clients (as the deadline's late ones);
-the round's policy applies to those who stay (the server does not wait for the others).
-The clients a round drops get /clients rows of their own (``dropped_rows``).
+Who can be selected (``system_model.availability``) and who drops out mid-round
+(``system_model.dropout``) is fedmpi.runtime.availability's: the server samples S_t among
+the clients available in round t only (``sample_available``: the round's
+``clients.sampling`` over the available subset; all of them when fewer than it needs are
+available, nobody when none is: the round then trains nobody); the round's policy applies
+to those who do not drop out (the server does not wait for the others). The clients a
+round drops get /clients rows of their own (``dropped_rows``).
 
 Every draw is keyed by (seed, round, client) through fedmpi.runtime.rng, vectorised over
 the whole population: the virtual times are a pure function of (seed, round, profiles,
@@ -68,137 +45,10 @@ import math
 
 import numpy as np
 
+from .availability import Availability, dropout_mask
+from .devices import device_profiles
 from .plan import sample_clients
-from .rng import numpy_rng
-from .vclock_inputs import (PROFILE_FIELDS, TRACE_FIELDS, horizon, overflow,  # noqa: F401
-                            overflow_error, read_profiles, read_trace)
-
-PROFILES = ("off", "lognormal", "tiers", "file")
-STEP_UNITS = ("step", "sample")
-POLICIES = ("wait_all", "deadline", "overselect", "fedasync", "fedbuff")
-AVAILABILITY = ("always", "bernoulli", "markov", "diurnal", "trace")
-
-
-def draw_profiles(seed: int, num_clients: int, model) -> dict[str, np.ndarray]:
-    """Every client's device (``model``: the SystemModelConfig), keyed by the seed alone:
-    speed ~ exp(N(0, speed_sigma)) (median 1), each bandwidth the configured median times
-    exp(N(0, bandwidth_sigma)), latency the configured one; with ``profiles = "tiers"``
-    each client's tier drawn by ``tier_shares`` (``tier``: its index) and the tier's
-    speed and bandwidths."""
-    if model.profiles == "tiers":
-        rng = numpy_rng(seed, "device-tiers")
-        shares = np.asarray(model.tier_shares, dtype=np.float64)
-        tier = rng.choice(len(shares), size=num_clients, p=shares / shares.sum())
-        return {"speed": np.asarray(model.tier_speeds, dtype=np.float64)[tier],
-                "down_mbps": np.asarray(model.tier_down_mbps, dtype=np.float64)[tier],
-                "up_mbps": np.asarray(model.tier_up_mbps, dtype=np.float64)[tier],
-                "latency": np.full(num_clients, float(model.latency)), "tier": tier}
-    rng = numpy_rng(seed, "device-profiles")
-    speed = np.exp(model.speed_sigma * rng.standard_normal(num_clients))
-    down = model.down_mbps * np.exp(model.bandwidth_sigma * rng.standard_normal(num_clients))
-    up = model.up_mbps * np.exp(model.bandwidth_sigma * rng.standard_normal(num_clients))
-    return {"speed": speed, "down_mbps": down, "up_mbps": up,
-            "latency": np.full(num_clients, float(model.latency))}
-
-
-# ---- availability and dropout: masks keyed by (seed, round, client) -------------------------
-
-def bernoulli_mask(seed: int, round_: int, num_clients: int, p: float) -> np.ndarray:
-    """Each client available with probability ``p``, independently in every round."""
-    return numpy_rng(seed, "availability", round_).random(num_clients) < p
-
-
-def markov_stationary(p_on_off: float, p_off_on: float) -> float:
-    """The on/off chain's long-run share of rounds on."""
-    return p_off_on / (p_on_off + p_off_on)
-
-
-def markov_mask(seed: int, round_: int, num_clients: int, p_on_off: float, p_off_on: float,
-                state: np.ndarray | None = None, since: int = -1) -> np.ndarray:
-    """Every client's on/off state in round ``round_``: drawn from the stationary
-    distribution in round 0, then one step a round (round r's uniforms keyed by r). From
-    ``state``, the state of round ``since`` < ``round_``, only the rounds after it are
-    stepped; without it, all from round 0 (resume replays them: a pure function)."""
-    if state is None or since > round_ or since < 0:
-        state = numpy_rng(seed, "availability-markov", 0).random(num_clients) \
-            < markov_stationary(p_on_off, p_off_on)
-        since = 0
-    for r in range(since + 1, round_ + 1):
-        u = numpy_rng(seed, "availability-markov", r).random(num_clients)
-        state = np.where(state, u >= p_on_off, u < p_off_on)
-    return state
-
-
-def diurnal_phases(seed: int, num_clients: int) -> np.ndarray:
-    """Each client's offset of the day, hours, uniform in [0, 24)."""
-    return numpy_rng(seed, "availability-phase").uniform(0.0, 24.0, num_clients)
-
-
-def diurnal_probability(phases: np.ndarray, now: float, base: float,
-                        amplitude: float) -> np.ndarray:
-    """clip(base + amplitude sin(2 pi (now / 3600 + phase) / 24), 0, 1) for every client."""
-    hours = now / 3600.0 + phases
-    return np.clip(base + amplitude * np.sin(2 * np.pi * hours / 24.0), 0.0, 1.0)
-
-
-def diurnal_mask(seed: int, round_: int, phases: np.ndarray, now: float, base: float,
-                 amplitude: float) -> np.ndarray:
-    p = diurnal_probability(phases, now, base, amplitude)
-    return numpy_rng(seed, "availability", round_).random(len(phases)) < p
-
-
-def trace_mask(trace, num_clients: int, now: float) -> np.ndarray:
-    """The clients with an interval start <= now < end."""
-    client, start, end = trace
-    mask = np.zeros(num_clients, dtype=bool)
-    mask[client[(start <= now) & (now < end)]] = True
-    return mask
-
-
-def dropout_mask(seed: int, round_: int, clients: np.ndarray, num_clients: int,
-                 p: float) -> np.ndarray:
-    """Which of the selected ``clients`` drop out in round ``round_`` (probability ``p``
-    each; client c's draw is the c-th of the round's stream, whoever else is selected)."""
-    return numpy_rng(seed, "dropout", round_).random(num_clients)[np.asarray(clients)] < p
-
-
-class Availability:
-    """Who can be sampled: round t's mask over the client identities (``model``: the
-    SystemModelConfig; ``availability`` other than "always"; ``trace``: (client, start,
-    end) arrays instead of ``availability_file``'s). Keeps the Markov chain's state of the
-    last round asked for (any other round is replayed from round 0)."""
-
-    def __init__(self, model, seed: int, num_clients: int, trace=None):
-        self.model, self.seed, self.num_clients = model, seed, num_clients
-        self.kind = model.availability
-        self.phases = diurnal_phases(seed, num_clients) if self.kind == "diurnal" else None
-        if self.kind == "trace" and trace is None:
-            trace = read_trace(model.availability_file, num_clients)
-        self.trace = trace
-        self._markov = (None, -1)   # (state, round)
-
-    def mask(self, round_: int, now: float) -> np.ndarray:
-        """Round ``round_``'s available clients; ``now``: its start, virtual seconds."""
-        m, n = self.model, self.num_clients
-        if self.kind == "bernoulli":
-            return bernoulli_mask(self.seed, round_, n, m.availability_p)
-        if self.kind == "markov":
-            state, since = self._markov
-            state = markov_mask(self.seed, round_, n, m.p_on_off, m.p_off_on, state, since)
-            self._markov = (state, round_)
-            return state
-        if self.kind == "diurnal":
-            return diurnal_mask(self.seed, round_, self.phases, now, m.diurnal_base,
-                                m.diurnal_amplitude)
-        if self.kind == "trace":
-            return trace_mask(self.trace, n, now)
-        raise ValueError(f"availability {self.kind!r}: choose from {AVAILABILITY}")
-
-    def next_opening(self, now: float) -> float | None:
-        """trace: the first interval start after ``now`` (None: there is none)."""
-        start = self.trace[1]
-        later = start[start > now]
-        return float(later.min()) if len(later) else None
+from .vclock_inputs import PROFILE_FIELDS, horizon, overflow, overflow_error
 
 
 def sample_available(seed: int, round_: int, pool: np.ndarray, per_round: int,
@@ -265,8 +115,7 @@ class VirtualClock:
         self.seed = config.seed
         # one device per client identity (a dynamic population has more than clients.num)
         num = len(work)
-        self.profiles = read_profiles(self.model.profile_file, num) \
-            if self.model.profiles == "file" else draw_profiles(config.seed, num, self.model)
+        self.profiles = device_profiles(self.model, config.seed, num)
         self.availability = Availability(self.model, config.seed, num) \
             if self.model.availability != "always" else None
         # a participation's bytes: the FL ledger's, at the codecs' encoded sizes

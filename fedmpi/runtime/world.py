@@ -3,14 +3,19 @@ way by a run (every rank) and by ``fedmpi evaluate`` (one process)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import platform
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 
+import numpy as np
 import torch
 
 from .. import __version__
+from ..config import flatten
 from ..data import load_dataset
 from ..errors import UsageError
 from ..flat import FlatModel
@@ -77,12 +82,6 @@ def build_world(config, comm, alg, *, run: bool = True) -> World:
 def software() -> dict[str, str]:
     """What this rank runs: the versions that decide its bits, and a digest of fedmpi's
     own source files (one node's stale copy keeps the version number)."""
-    import hashlib
-    import platform
-    from pathlib import Path
-
-    import numpy as np
-
     root = Path(__file__).resolve().parents[1]
     digest = hashlib.sha256()
     for path in sorted(root.rglob("*.py")):
@@ -122,8 +121,6 @@ def same_config(comm, config) -> None:
     mine = json.dumps(config.to_dict(), sort_keys=True, default=str)
 
     def differs(rank, theirs):
-        from ..analysis.runs import flatten   # as sweeps compare configs
-
         here, there = flatten(json.loads(mine)), flatten(json.loads(theirs))
         keys = sorted(k for k in here.keys() | there.keys() if here.get(k) != there.get(k))
         shown = "; ".join(f"{k} = {there.get(k)!r} there, {here.get(k)!r} on rank 0" for k in keys[:3])

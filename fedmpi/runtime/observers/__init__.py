@@ -49,6 +49,7 @@ class Observer:
 def default_observers(quiet: bool) -> list[Observer]:
     """In calling order: a diverged round is neither checkpointed nor interrupted, and
     the progress line comes once the round's file work is done."""
+    # deferred: each observer module imports Observer from this package (a cycle at load time)
     from .checkpoint import Checkpoint
     from .divergence import Divergence
     from .preemption import Preemption

@@ -18,7 +18,6 @@ class Checkpoint(Observer):
 def save(exp, completed: int) -> None:
     """Server: global and client state after ``completed`` rounds, into the file."""
     server = {k: v.detach().cpu().numpy() for k, v in exp.state.items()}
-    if exp.asynchronous is not None:   # the model versions its clients in flight train on
-        server.update(exp.asynchronous.state_dict())
+    server.update(exp.participation.state_dict())   # FedAsync/FedBuff: the versions in flight
     exp.writer.write_checkpoint(completed, server, exp.store.items(),
                                 exp.state_sizes(), exp.split.num_identities)

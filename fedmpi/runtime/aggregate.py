@@ -1,0 +1,162 @@
+"""The aggregator stage: how the workers' folded contributions become the server's sums.
+
+Each phase has one aggregator (``aggregator_for``), chosen by what the algorithm declares
+for the phase:
+
+- ``WeightedMean``: every contribution is added as it comes, on the worker that trained
+  the client, and the workers' sums meet on the server in one Reduce (fast mode); in
+  deterministic mode each client's contribution is kept and the server adds them in
+  ascending client id (``sum_in_client_order``), so the sum is the same bits for any
+  layout. The algorithm's ``server_update`` turns the sums into its means.
+- ``Sharded``: the sums as above, and each client's update kept on its worker; a shared
+  transpose then gives each worker a run of coordinates of every kept vector
+  (fedmpi.runtime.gram), where a rule computes the combination: today the algorithm's
+  Gram rule (``gram_coefficients``: FedU^2's EUA), whose weighted sum replaces the summed
+  ``delta``.
+
+An aggregator's life in a phase: ``begin(sizes)`` on every rank, ``fold(c, contribution,
+delta)`` per client on the worker, then ``reduce(...)`` on every rank, which returns the
+sums (named as ``sizes``) on the server and None elsewhere.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ..flat import host_vector
+from . import gram
+
+
+class Contributions:
+    """A worker's contributions: a running sum (fast mode) or one flat vector per client
+    in training order (deterministic mode, summed in client order on the server)."""
+
+    def __init__(self, sizes: dict[str, int], device, keep_each: bool):
+        self.sizes, self.device, self.keep_each = sizes, device, keep_each
+        self.total = sum(sizes.values())
+        self.sum = None if keep_each else self._new(zeros=True)
+        self.each: dict[int, torch.Tensor] = {}
+
+    def _new(self, zeros: bool) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return host_vector(self.total, zeros)
+        return (torch.zeros if zeros else torch.empty)(self.total, device=self.device)
+
+    def add(self, contribution: dict[str, torch.Tensor], client: int) -> None:
+        target = self._new(zeros=False) if self.keep_each else None
+        offset = 0
+        for name, n in self.sizes.items():
+            piece = contribution[name].reshape(-1)
+            if self.keep_each:
+                target[offset:offset + n] = piece
+            else:
+                self.sum[offset:offset + n] += piece
+            offset += n
+        if self.keep_each:
+            self.each[client] = target.cpu()
+
+    def host(self) -> torch.Tensor:
+        """The running sum, or the per-client vectors in ascending client id (the order
+        of the worker's assignment, which the server's in-order sum expects)."""
+        if not self.keep_each:
+            return self.sum.cpu()
+        each = [self.each[c] for c in sorted(self.each)]
+        return torch.stack(each) if each else torch.zeros(0, self.total)
+
+
+class WeightedMean:
+    """The contributions summed: one Reduce, or in client order if deterministic."""
+
+    def __init__(self, comm, device, deterministic: bool):
+        self.comm, self.device, self.deterministic = comm, device, deterministic
+        self.folded: Contributions | None = None
+
+    def begin(self, sizes: dict[str, int]) -> None:
+        self.folded = Contributions(sizes, self.device, keep_each=self.deterministic)
+
+    def fold(self, c: int, contribution: dict, delta: torch.Tensor) -> None:
+        self.folded.add(contribution, c)
+
+    def reduce(self, assignment, ctx, timers) -> dict | None:
+        """The sums on the server (None elsewhere), split by name."""
+        comm, folded = self.comm, self.folded
+        if folded.keep_each:
+            parts = comm.gatherv(folded.host().reshape(-1).numpy())
+            if not comm.is_server:
+                return None
+            workers = parts[1:] if comm.size > 1 else parts
+            total = sum_in_client_order(workers, assignment, folded.total)
+        else:
+            total = host_vector(folded.total) if comm.is_server else None
+            comm.reduce_sum(folded.host(), total)
+            if not comm.is_server:
+                return None
+        return split(total, list(folded.sizes.items()), torch.device("cpu"))
+
+
+class Sharded(WeightedMean):
+    """The sums, then a rule over every participant's kept update, computed where the
+    updates are (fedmpi.runtime.gram): ``rule(inner_products, ctx)`` gives one coefficient
+    per participant (ascending id) and the summed ``delta`` becomes sum_k c_k Delta_k.
+    The workspace (the transpose's buffers) is kept from round to round."""
+
+    def __init__(self, comm, device, deterministic: bool, d: int, rule: Callable):
+        super().__init__(comm, device, deterministic)
+        self.d, self.rule, self.space = d, rule, gram.Workspace()
+        self.vectors: dict[int, torch.Tensor] = {}
+
+    def begin(self, sizes: dict[str, int]) -> None:
+        super().begin(sizes)
+        self.vectors = {}
+
+    def fold(self, c: int, contribution: dict, delta: torch.Tensor) -> None:
+        super().fold(c, contribution, delta)
+        self.vectors[c] = delta.detach().float().cpu()   # host memory: K_w d a worker
+
+    def reduce(self, assignment, ctx, timers) -> dict | None:
+        sums = super().reduce(assignment, ctx, timers)
+        t0 = time.perf_counter()
+        vectors = [self.vectors[c] for c in sorted(self.vectors)]
+        self.vectors = {}
+        combined, _ = gram.weighted_sum(self.comm, vectors, assignment, self.d,
+                                        lambda inner: self.rule(inner, ctx), workspace=self.space)
+        timers.aggregate += time.perf_counter() - t0
+        if sums is not None:
+            sums["delta"] = combined
+        return sums
+
+
+def aggregator_for(alg, phase: str, comm, device, deterministic: bool, d: int) -> WeightedMean:
+    """The phase's aggregator, by the algorithm's declaration (``gram_weighted``)."""
+    if alg.gram_weighted(phase):
+        return Sharded(comm, device, deterministic, d, alg.gram_coefficients)
+    return WeightedMean(comm, device, deterministic)
+
+
+def sum_in_client_order(parts, assignment, total: int) -> torch.Tensor:
+    """Add per-client vectors in ascending client id, whichever worker sent them.
+
+    ``parts[w]`` holds worker w's vectors in the order of ``assignment[w]``. The float32
+    additions happen in one fixed order, so the sum is the same bits for any layout.
+    """
+    by_client = {}
+    for clients, part in zip(assignment, parts):
+        for c, vec in zip(np.asarray(clients).tolist(), part.reshape(-1, total)):
+            by_client[c] = vec
+    out = host_vector(total)
+    for c in sorted(by_client):
+        out += torch.from_numpy(by_client[c])
+    return out
+
+
+def split(buf: torch.Tensor, spec, device) -> dict[str, torch.Tensor]:
+    out, offset = {}, 0
+    buf = buf.to(device)
+    for name, n in spec:
+        out[name] = buf[offset:offset + n]
+        offset += n
+    return out
