@@ -31,30 +31,9 @@ Blocks and every summation order depend on d and the client ids alone, so G and 
 are the same bits for any number of workers (deterministic mode runs one thread per
 rank, so each block's product runs the same kernel).
 
-Cost (``benchmarks/gram.py``; d = 11.2M, K = 10, 2-core machines, ``mpirun -n 3``,
-against a FedAvg reduce measured in the same runs, its sums made as the runtime makes
-them):
-
-- a Xeon with AMX, buffers kept: a median 2.64x over 7 runs (2.46-2.94x) against the
-  reduce into huge-page buffers (``flat.host_vector``, 0.11 s); against the reduce into
-  fresh torch buffers that it replaced (0.14 s: each 4 KiB page faulted in on its own),
-  a median 1.91x over 7 runs (1.84-1.97x) one day and 2.04x over 5 (2.00-2.07x) the
-  day before, where the code before the buffers were kept gave 2.40x (2.36-2.88x). With
-  one worker (``-n 2``) 2.9-3.2x. A worker's 0.27 s: the transpose 0.045-0.053 s, the
-  Gram pass 0.11 s (the products 0.064 s, the rest the float32-to-float64 fill), the
-  weighted-sum pass 0.08 s (the fill again and a 0.024 s product), the sums' gather
-  0.015-0.04 s. Each pass reads the K d / W float32 values once and the products are
-  fixed by the bits: MKL's dgemm here sums a block in 384-wide panels (addmm over 384-
-  or 768-wide slices gives its bits; 64-32768, otherwise, do not), so a faster product
-  with the same bits would be compiled code written against that order. Filling and
-  weighting a block in L2-sized slices (the same bits), tried, saved nothing; holding
-  the first pass's float64 blocks for the second moved 0.04 s into the first pass to
-  save 0.03 s in the second; streaming the sums to the server as they were made saved
-  nothing on 2 cores.
-- an AVX-512 machine, before the buffers were kept and against the torch-buffer reduce:
-  a median 1.90x over 15 runs (1.79-2.09x), where packing the transpose into one buffer
-  for an Alltoallv, which moved it at half the speed of messages from the vectors, took
-  2.11x (1.92-2.42x); the products alone 0.7x; with one worker 3.7-4.1x.
+Cost: about 2-3x a FedAvg Reduce of the same vectors on 2-core machines (d = 11.2M,
+K = 10); the figures, and what was tried, are in docs/performance.md ("The Gram path";
+``benchmarks/gram.py`` measures it).
 """
 
 from __future__ import annotations
