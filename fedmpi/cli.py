@@ -306,6 +306,21 @@ def partition(config_file, preset, overrides, plot):
 
 
 @main.command()
+@_config_options
+@click.option("--epsilon", "target", type=float, metavar="E",
+              help="Print the noise multiplier that reaches epsilon E after the config's rounds.")
+@one_line_errors
+def privacy(config_file, preset, overrides, target):
+    """User-level DP's budget for a config, without running it.
+
+    The epsilon its rounds spend at privacy.noise_multiplier (dp-accounting, at
+    privacy.delta), or with --epsilon the noise multiplier that reaches a target."""
+    from . import privacy as accounting
+
+    click.echo(accounting.summary(_resolve(config_file, preset, overrides), target))
+
+
+@main.command()
 @click.argument("file")
 @click.option("--probe", "probe_names", multiple=True,
               type=click.Choice(["linear", "finetune", "spectrum"]),

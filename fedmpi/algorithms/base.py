@@ -343,3 +343,18 @@ def register(cls: type[Algorithm]) -> type[Algorithm]:
     """Class decorator: make an algorithm selectable by ``algorithm.name``."""
     REGISTRY[cls.name] = cls
     return cls
+
+
+# the hooks of FedAvg's server side: one phase, the model as the payload, the sample-
+# weighted mean of the deltas, no server state; a method that overrides none of them keeps
+# FedAvg's server (its local update is its own), which asynchronous FL and user-level DP
+# replace or wrap (fedmpi.runtime.participation, fedmpi.runtime.dp)
+FEDAVG_SERVER = ("init_server_state", "payload", "server_update", "contribution",
+                 "contribution_sizes", "phase_participants", "gram_weighted", "traffic")
+
+
+def fedavg_server_side(kind: type) -> bool:
+    """Whether algorithm class ``kind`` has FedAvg's server side (``FEDAVG_SERVER``)."""
+    return len(kind.phases) == 1 and all(getattr(kind, h) is getattr(Algorithm, h)
+                                         for h in FEDAVG_SERVER)
+

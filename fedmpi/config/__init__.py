@@ -31,6 +31,8 @@ Sections of a TOML file (every key optional)::
                  local_spectra)
     [system]     device, gpu_share, precision, deterministic, threads, state_memory_mb,
                  state_dir, checkpoint_every
+    [privacy]    mechanism (off | central), clip, noise_multiplier, target_epsilon, delta,
+                 accountant (auto | pld | rdp); docs/privacy.md
 """
 
 from .coerce import INT_MAX, SEED_MAX, build, check_scalar, field_error

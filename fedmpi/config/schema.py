@@ -227,6 +227,21 @@ class CompressionConfig:
 
 
 @dataclass
+class PrivacyConfig:
+    """User-level differential privacy (fedmpi.runtime.dp, accounting in fedmpi.privacy):
+    off by default, and then nothing about a run changes."""
+    mechanism: str = "off"             # off | central: DP-FedAvg (McMahan et al. 2018): each
+                                       # update clipped to clip, weight 1, Gaussian noise on
+                                       # the server's sum, a fixed denominator (per_round)
+    clip: float = 1.0                  # C: each client's update clipped to this L2 norm
+    noise_multiplier: float = 0.0      # sigma: noise std sigma C per coordinate of the sum
+    target_epsilon: float = 0.0        # > 0: sigma calibrated to this epsilon after `rounds`
+                                       # (replaces noise_multiplier; the file records it)
+    delta: float = 0.0                 # the delta epsilon is reported at; 0: 1 / clients.num^1.1
+    accountant: str = "auto"           # auto (pld under bernoulli sampling, else rdp) | pld | rdp
+
+
+@dataclass
 class ExperimentConfig:
     name: str = "experiment"
     seed: int = 0
@@ -243,6 +258,7 @@ class ExperimentConfig:
     system: SystemConfig = field(default_factory=SystemConfig)
     system_model: SystemModelConfig = field(default_factory=SystemModelConfig)
     compression: CompressionConfig = field(default_factory=CompressionConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
 
     def output_path(self) -> Path:
         """``output`` with its placeholders filled in and a leading ``~`` expanded (a TOML

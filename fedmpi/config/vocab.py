@@ -29,3 +29,7 @@ POLICIES = ("wait_all", "deadline", "overselect", "fedasync", "fedbuff")
 ASYNC_MODES = ("fedasync", "fedbuff")   # the asynchronous ones of POLICIES
 STALENESS = ("constant", "polynomial")
 AVAILABILITY = ("always", "bernoulli", "markov", "diurnal", "trace")
+
+# [privacy] (fedmpi.runtime.dp, fedmpi.privacy)
+PRIVACY_MECHANISMS = ("off", "central")
+PRIVACY_ACCOUNTANTS = ("auto", "pld", "rdp")

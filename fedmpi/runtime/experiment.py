@@ -50,6 +50,7 @@ from .records import (CLIENT_FIELDS, RANK_FIELDS, ROUND_FIELDS, Timers, Traffic,
 from .rng import key_seed, seed_global
 from .runfile import create_file, resume_file
 from .scoring import evaluator
+from .dp import server_stages
 from .stages import client_stages
 from .state import ClientStateStore
 from .system import kernels_warning, numerics
@@ -98,7 +99,8 @@ class Experiment:
         self.phases = Phases(comm, self.alg, self.d, self.device, self.steps,
                              context=partial(round_context, cfg), make_task=self.task,
                              deterministic=cfg.system.deterministic, group=self.group,
-                             codecs=self.codecs, stages=client_stages(cfg, self.codecs))
+                             codecs=self.codecs, stages=client_stages(cfg, self.codecs),
+                             server_stages=server_stages(cfg, self.d) if comm.is_server else [])
         measured = measure_step_time(self, partial(round_context, cfg)) \
             if cfg.system_model.profiles != "off" and cfg.system_model.measure_step_time \
             and not self.resume else None   # a resume: the file's

@@ -29,7 +29,7 @@ import torch
 
 from .. import algorithms
 from ..algorithms import local_sgd
-from ..algorithms.base import Algorithm
+from ..algorithms.base import fedavg_server_side
 from ..config.coerce import field_error
 from ..errors import UsageError
 from . import asyncfl, vclock_inputs
@@ -173,18 +173,11 @@ class Async(Clocked):
     """FedAsync and FedBuff: a step's clients are those that arrive for it
     (fedmpi.runtime.asyncfl), each on the model version it downloaded."""
     client_fields = CLIENT_FIELDS + asyncfl.CLIENT_FIELDS
-    # the server side it takes over: a method that overrides none of these is served
-    REPLACES = ("init_server_state", "payload", "server_update", "contribution",
-                "contribution_sizes", "phase_participants", "gram_weighted", "traffic")
-
     @classmethod
     def serves(cls, name: str) -> bool:
-        """Whether algorithm ``name``'s server side is FedAvg's (one phase, the model as the
-        payload, the sample-weighted mean of the deltas, no server state): the
-        asynchronous step replaces it, and the method's local update stays its own."""
-        kind = algorithms.REGISTRY[name]
-        return len(kind.phases) == 1 and all(getattr(kind, h) is getattr(Algorithm, h)
-                                             for h in cls.REPLACES)
+        """Whether algorithm ``name``'s server side is FedAvg's, which the asynchronous step
+        replaces (the method's local update stays its own)."""
+        return fedavg_server_side(algorithms.REGISTRY[name])
 
     @classmethod
     def refuse(cls, c) -> None:

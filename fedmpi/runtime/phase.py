@@ -70,6 +70,7 @@ class Phases:
     group: int = 1          # system.client_group, resolved: clients trained in lock-step
     codecs: Compression | None = None   # the run's codecs; None: no compression
     stages: list[ClientStage] | None = None
+    server_stages: list = field(default_factory=list)   # after the reduce (fedmpi.runtime.dp)
     aggregators: list = field(init=False)   # one a phase, kept across rounds
 
     def __post_init__(self):
@@ -109,10 +110,14 @@ class Phases:
             return None
         extra = {k: sums.pop(k) for stage in self.stages for k in stage.sums(p, self.d)}
         t0 = time.perf_counter()
+        for stage in self.server_stages:
+            stage.before(state, sums, gathered, ctx, p)
         update = versions.update if versions is not None and versions.update else alg.server_update
         update(state, sums, gathered, ctx)                                              # 4
-        timers.aggregate += time.perf_counter() - t0
         diagnostics = self.summarize(p, extra, gathered)
+        for stage in self.server_stages:
+            diagnostics.update(stage.after(state, sums, gathered, ctx, p))
+        timers.aggregate += time.perf_counter() - t0
         diagnostics.update(alg.diagnostics(state, sums, gathered, ctx))
         down, up = self.codecs.message_bytes(self.d, phase)
         n = len(participants)

@@ -50,6 +50,9 @@ def create_file(exp, dataset, ranks) -> bool:
     described, datasets = stage.describe()
     provenance.update(described)
     partition.update(datasets)
+    for server in exp.phases.server_stages:   # privacy: epsilon, the mechanism's settings
+        round_fields += server.round_fields
+        provenance.update(server.describe())
     exp.lock = RunLock.acquire(cfg.output_path())
     exp.writer = ResultsWriter.create(
         cfg.output_path(), config=cfg.to_dict(), provenance=provenance,

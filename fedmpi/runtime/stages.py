@@ -94,8 +94,11 @@ class UpdateStatistics(ClientStage):
 
 
 def client_stages(config, codecs: Compression) -> list[ClientStage]:
-    """The run's client stages, in order."""
-    stages: list[ClientStage] = [Encode(codecs)]
+    """The run's client stages, in order: privacy's clip first (fedmpi.runtime.dp: it
+    bounds what the client computed), then the codec, the staleness weight and the
+    update statistics."""
+    from . import dp   # deferred: dp's stages subclass ClientStage, defined above (a cycle)
+    stages: list[ClientStage] = [*dp.client_stages(config), Encode(codecs)]
     m = config.system_model
     if m.profiles != "off" and m.policy == "fedbuff":
         stages.append(Staleness())

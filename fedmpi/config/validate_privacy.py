@@ -1,0 +1,46 @@
+"""``[privacy]``'s checks: names from the lists, numbers in range, the combinations the
+private stages refuse (fedmpi.runtime.dp), and a target epsilon resolved into the noise
+multiplier that reaches it (the resolved config says what ran)."""
+
+from __future__ import annotations
+
+import math
+
+from .coerce import field_error, one_of as _one_of
+from .schema import ExperimentConfig
+from .vocab import PRIVACY_ACCOUNTANTS, PRIVACY_MECHANISMS
+
+# deferred imports: fedmpi.privacy loads dp-accounting (an optional extra) and
+# fedmpi.runtime imports this package (a cycle at load time); only a private config
+# needs either, when it is checked
+
+
+def validate_privacy(c: ExperimentConfig) -> None:
+    p = c.privacy
+    _one_of("privacy.mechanism", p.mechanism, PRIVACY_MECHANISMS)
+    _one_of("privacy.accountant", p.accountant, PRIVACY_ACCOUNTANTS)
+    if p.mechanism == "off":
+        return
+    if not p.clip > 0 or math.isinf(p.clip):
+        raise field_error("privacy.clip", f"must be a finite number > 0 (the L2 norm each "
+                                          f"update is clipped to), got {p.clip}")
+    if not p.noise_multiplier >= 0:
+        raise field_error("privacy.noise_multiplier", f"must be >= 0, got {p.noise_multiplier}")
+    if p.target_epsilon < 0:
+        raise field_error("privacy.target_epsilon", f"must be > 0 (0: use noise_multiplier), "
+                                                    f"got {p.target_epsilon}")
+    if p.delta and not 0 < p.delta < 1:
+        raise field_error("privacy.delta", f"must be in (0, 1) (0: 1 / clients.num^1.1), "
+                                           f"got {p.delta}")
+    if p.accountant == "pld" and c.clients.sampling != "bernoulli":
+        raise field_error("privacy.accountant", f"\"pld\" accounts for Poisson sampling "
+                                                f"(clients.sampling = \"bernoulli\"); "
+                                                f"{c.clients.sampling!r} sampling needs \"rdp\" "
+                                                f"(or \"auto\")")
+    from ..runtime.dp import refuse   # deferred (above)
+    refuse(c)
+    from .. import privacy            # deferred (above)
+    if p.target_epsilon:
+        p.noise_multiplier = privacy.calibrate(c, p.target_epsilon)
+    else:
+        privacy.round_event(c)        # the library is there: a run never fails for it later

@@ -1,0 +1,180 @@
+"""User-level differential privacy's accounting (``[privacy]``), from Google's
+``dp-accounting`` library (the ``privacy`` extra): the event a run's rounds are, epsilon
+after t rounds at the configured delta, and the noise multiplier that reaches a target
+epsilon.
+
+A round of central DP-FedAvg (McMahan et al., "Learning Differentially Private Recurrent
+Language Models", ICLR 2018) is a Gaussian mechanism on the sum of the sampled clients'
+clipped updates (sensitivity C, noise std sigma C), so its event is
+``GaussianDpEvent(sigma)`` on the sampled clients:
+
+- ``clients.sampling = "bernoulli"``: each client independently with q = S / N: Poisson
+  sampling, ``PoissonSampledDpEvent(q, .)``, add/remove-one neighbours; the PLD
+  accountant (tight) by default, RDP on request;
+- ``"uniform"``: S of N without replacement: ``SampledWithoutReplacementDpEvent(N, S, .)``,
+  replace-one neighbours, which only the RDP accountant supports.
+
+The rounds compose: t rounds are ``SelfComposedDpEvent(event, t)``, and epsilon(t) is a
+pure function of (event, t, delta): a resumed run's column continues exactly.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+
+from .errors import UsageError
+
+ACCOUNTANTS = ("pld", "rdp")
+# the PLD's loss grid: 10x the library's default (1e-4), 9x faster per round (0.1 s against
+# 0.9 s for 500 rounds at q = 0.1, sigma = 1), epsilon the same to 4 digits there; the PLD
+# of a Gaussian is built pessimistically, so any grid gives an upper bound
+PLD_GRID = 1e-3
+INSTALL = "pip install 'fedmpi[privacy]' (dp-accounting)"
+
+
+def _library():
+    try:
+        import dp_accounting   # deferred: an optional extra; only a private run needs it
+        logging.getLogger("absl").setLevel(logging.ERROR)   # RDP's per-order convergence notes
+    except ImportError:
+        raise UsageError(f"config field privacy.mechanism: user-level DP's accounting needs "
+                         f"the dp-accounting library; {INSTALL}") from None
+    return dp_accounting
+
+
+def delta_of(config) -> float:
+    """The delta epsilon is reported at: ``privacy.delta``, or 1 / N^1.1 where 0."""
+    p = config.privacy
+    return p.delta if p.delta else 1.0 / config.clients.num ** 1.1
+
+
+def sampling_rate(config) -> float:
+    """q: the chance a given client is in a round's sample."""
+    c = config.clients
+    return c.per_round / c.num
+
+
+def accountant_of(config) -> str:
+    """``privacy.accountant`` resolved: "auto" is PLD under Poisson sampling, else RDP."""
+    kind = config.privacy.accountant
+    if kind != "auto":
+        return kind
+    return "pld" if config.clients.sampling == "bernoulli" else "rdp"
+
+
+def round_event(config, sigma: float | None = None):
+    """One round's DpEvent (``sigma``: the noise multiplier, the config's where None)."""
+    c = config.clients
+    return _event(c.sampling, c.num, c.per_round,
+                  config.privacy.noise_multiplier if sigma is None else sigma)
+
+
+def _event(sampling: str, num: int, per_round: int, sigma: float):
+    dpa = _library()
+    gaussian = dpa.GaussianDpEvent(sigma)
+    if sampling == "bernoulli":
+        return dpa.PoissonSampledDpEvent(per_round / num, gaussian)
+    return dpa.SampledWithoutReplacementDpEvent(num, per_round, gaussian)
+
+
+def _accountant(kind: str, sampling: str):
+    """A fresh accountant: PLD, or RDP with the neighbouring relation of the sampling."""
+    dpa = _library()
+    if kind == "pld":
+        return dpa.pld.PLDAccountant(value_discretization_interval=PLD_GRID)
+    relation = dpa.NeighboringRelation.ADD_OR_REMOVE_ONE if sampling == "bernoulli" \
+        else dpa.NeighboringRelation.REPLACE_ONE
+    return dpa.rdp.RdpAccountant(neighboring_relation=relation)
+
+
+def epsilon(config, rounds: int, sigma: float | None = None) -> float:
+    """Epsilon at ``delta_of(config)`` after ``rounds`` rounds; inf without noise."""
+    sigma = config.privacy.noise_multiplier if sigma is None else sigma
+    if rounds == 0:
+        return 0.0
+    if sigma == 0:
+        return math.inf
+    c = config.clients
+    return _epsilon(c.sampling, c.num, c.per_round, accountant_of(config), delta_of(config),
+                    rounds, float(sigma))
+
+
+@functools.lru_cache(maxsize=4096)
+def _epsilon(sampling, num, per_round, kind, delta, rounds, sigma) -> float:
+    accountant = _accountant(kind, sampling)
+    accountant.compose(_event(sampling, num, per_round, sigma), rounds)
+    return float(accountant.get_epsilon(delta))
+
+
+def calibrate(config, target: float) -> float:
+    """The smallest noise multiplier whose epsilon after ``config.rounds`` rounds is at most
+    ``target`` (dp-accounting's calibration, to a relative tolerance of 1e-4). Under PLD
+    the search is bracketed by RDP's answer first: RDP's bound is the looser one, so its
+    sigma is (checked) an upper end, and PLD's cost grows steeply as sigma falls (a search
+    from small sigma took minutes)."""
+    dpa = _library()
+    delta, rounds, sampling = delta_of(config), config.rounds, config.clients.sampling
+    kind = accountant_of(config)
+
+    def search(kind, bracket):
+        return float(dpa.calibrate_dp_mechanism(
+            lambda: _accountant(kind, sampling),
+            lambda sigma: dpa.SelfComposedDpEvent(round_event(config, sigma), rounds),
+            target, delta, bracket, tol=1e-4 * target))
+
+    try:
+        sigma = search("rdp", dpa.LowerEndpointAndGuess(1e-3, 1.0))
+        if kind == "pld":
+            for _ in range(8):
+                if epsilon(config, rounds, sigma) <= target:
+                    break
+                sigma *= 1.5
+            low = sigma / 2
+            while low > 1e-3 and epsilon(config, rounds, low) <= target:
+                low /= 2
+            sigma = search("pld", dpa.ExplicitBracketInterval(low, sigma))
+        reached = epsilon(config, rounds, sigma)
+    except (ValueError, RuntimeError, OverflowError) as exc:
+        reached, sigma = math.nan, " ".join(str(exc).split())
+    if not reached <= target * (1 + 1e-9):   # the search stops where the accountant's floor is
+        raise UsageError(f"config field privacy.target_epsilon: no noise multiplier reaches "
+                         f"epsilon = {target:g} at delta = {delta:g} over {rounds} rounds (the "
+                         f"search ended at sigma = {sigma}, epsilon {reached:.3g})")
+    return sigma
+
+
+def describe(config) -> dict:
+    """The root attributes a private run's file carries."""
+    return {"privacy_mechanism": config.privacy.mechanism,
+            "privacy_noise_multiplier": float(config.privacy.noise_multiplier),
+            "privacy_clip": float(config.privacy.clip), "privacy_delta": delta_of(config),
+            "privacy_sampling_rate": sampling_rate(config),
+            "privacy_accountant": f"dp-accounting {accountant_of(config).upper()}"
+                                  + (f" (grid {PLD_GRID:g})" if accountant_of(config) == "pld" else ""),
+            "privacy_event": type(round_event(config)).__name__}
+
+
+def summary(config, target: float | None = None) -> str:
+    """``fedmpi privacy``: what a config's rounds spend, or the noise a target needs."""
+    c, p = config.clients, config.privacy
+    if c.sampling == "size":
+        raise UsageError("config field clients.sampling: the accounting needs Poisson "
+                         "(\"bernoulli\") or fixed-size (\"uniform\") sampling, not \"size\"")
+    how = f"Poisson, q = {sampling_rate(config):g}" if c.sampling == "bernoulli" else \
+        "fixed size, without replacement"
+    head = (f"user-level DP, a Gaussian mechanism on {c.per_round} of {c.num} clients a round "
+            f"({how}), {config.rounds} rounds, delta = {delta_of(config):.3g}, "
+            f"dp-accounting {accountant_of(config).upper()}")
+    if target is not None:
+        if not target > 0:
+            raise UsageError(f"--epsilon {target}: must be > 0")
+        sigma = calibrate(config, target)
+        return (f"{head}\nnoise multiplier for epsilon <= {target:g} after {config.rounds} "
+                f"rounds: {sigma:.6g} (--set privacy.noise_multiplier={sigma:.6g}, or "
+                f"privacy.target_epsilon = {target:g})")
+    sigma = p.noise_multiplier
+    marks = sorted({max(1, config.rounds // 10), max(1, config.rounds // 2), config.rounds})
+    spent = ", ".join(f"{epsilon(config, t, sigma):.4g} after {t}" for t in marks)
+    return f"{head}\nnoise multiplier {sigma:g}, clip {p.clip:g}: epsilon {spent} rounds"
