@@ -114,11 +114,12 @@ class Phases:
             stage.before(state, sums, gathered, ctx, p)
         update = versions.update if versions is not None and versions.update else alg.server_update
         update(state, sums, gathered, ctx)                                              # 4
-        diagnostics = self.summarize(p, extra, gathered)
+        after = {}
         for stage in self.server_stages:
-            diagnostics.update(stage.after(state, sums, gathered, ctx, p))
+            after.update(stage.after(state, sums, gathered, ctx, p))
         timers.aggregate += time.perf_counter() - t0
-        diagnostics.update(alg.diagnostics(state, sums, gathered, ctx))
+        diagnostics = {**self.summarize(p, extra, gathered), **after,
+                       **alg.diagnostics(state, sums, gathered, ctx)}
         down, up = self.codecs.message_bytes(self.d, phase)
         n = len(participants)
         traffic.add(down, up, n)
