@@ -23,6 +23,8 @@ from fedmpi import hdf5
 from fedmpi.errors import UsageError
 from fedmpi.results import checkpoint, liveness, schema
 from fedmpi.results.attrs import _check_not_reserved, _root_attrs, _set_attrs
+from fedmpi.results.columns import (check_fields, check_layout, column_values, create_columns,
+                                     label, partition_arrays, write_layout, write_partition)
 
 
 class ResultsWriter:
@@ -50,21 +52,21 @@ class ResultsWriter:
         """
         path = Path(path)
         attrs = _root_attrs(config, provenance)
-        _check_fields("round_fields", round_fields)
-        _check_fields("client_fields", client_fields)
+        check_fields("round_fields", round_fields)
+        check_fields("client_fields", client_fields)
         if rank_fields:
-            _check_fields("rank_fields", rank_fields)
-        layout = _check_layout(layout)
-        partition = _partition_arrays(partition)
+            check_fields("rank_fields", rank_fields)
+        layout = check_layout(layout)
+        partition = partition_arrays(partition)
         _prepare_path(path, force)
 
         def fill(h5file: h5py.File) -> int:
             _set_attrs(h5file, attrs)
-            _write_partition(h5file.create_group("partition"), partition)
-            _create_columns(h5file.create_group("rounds"), round_fields, schema.ROUND_CHUNK)
-            _create_columns(h5file.create_group("clients"), client_fields, schema.CLIENT_CHUNK)
-            _create_columns(h5file.create_group("ranks"), list(rank_fields), schema.CLIENT_CHUNK)
-            return _write_layout(h5file.create_group("model"), layout)
+            write_partition(h5file.create_group("partition"), partition)
+            create_columns(h5file.create_group("rounds"), round_fields, schema.ROUND_CHUNK)
+            create_columns(h5file.create_group("clients"), client_fields, schema.CLIENT_CHUNK)
+            create_columns(h5file.create_group("ranks"), list(rank_fields), schema.CLIENT_CHUNK)
+            return write_layout(h5file.create_group("model"), layout)
 
         temporary = _temporary(path, "tmp")
         try:
@@ -245,7 +247,7 @@ class ResultsWriter:
         unknown = sorted(set(values) - set(columns))
         if unknown:
             raise ValueError(f"{unknown} not in {what} {sorted(columns)}")
-        data = {name: _column_values(name, values.get(name), n) for name in columns}
+        data = {name: column_values(name, values.get(name), n) for name in columns}
         for name, ds in columns.items():
             start = ds.shape[0]
             ds.resize((start + n,))
@@ -266,7 +268,7 @@ def append_eval(h5file: h5py.File, row: dict[str, float], spectrum: np.ndarray |
         if name not in fields:
             fields.append(name)
             dtype = schema.column_dtype(name)
-            _label(group.create_dataset(name, shape=(n,), maxshape=(None,), dtype=dtype,
+            label(group.create_dataset(name, shape=(n,), maxshape=(None,), dtype=dtype,
                                         fillvalue=schema.fill_value(name), chunks=(64,)))
     group.attrs["fields"] = json.dumps(fields)
     for name in fields:
@@ -339,21 +341,6 @@ def reopen(path: Path) -> h5py.File:
         return hdf5.File(path, "r+", libver=schema.LIBVER)
 
 
-def _check_fields(what: str, fields: list[str]) -> None:
-    """Field names become dataset names, so they must be unique plain names."""
-    bad = [f for f in fields if not isinstance(f, str) or not f or "/" in f or f.startswith(".")]
-    if bad or len(set(fields)) != len(fields):
-        raise ValueError(f"{what} must be unique non-empty names without '/', got {list(fields)}")
-
-
-def _check_layout(layout) -> list[tuple[str, tuple[int, ...], int]]:
-    """Normalize (name, shape, offset) triples; shapes may come as torch.Size or lists."""
-    out = [(str(name), tuple(int(d) for d in shape), int(offset)) for name, shape, offset in layout]
-    if len({name for name, _, _ in out}) != len(out):
-        raise ValueError("layout names must be unique")
-    return out
-
-
 def _prepare_path(path: Path, force: bool) -> None:
     """Refuse to clobber a previous run unless asked (it is replaced by a rename at the
     end of ``create``, so live readers keep theirs), and anything else always."""
@@ -400,69 +387,6 @@ def refuse_foreign(path) -> None:
     if what:
         raise UsageError(f"results file {path} exists and is {what}; --force overwrites "
                          f"fedmpi results files only: choose another output with -o/--output")
-
-
-def _partition_arrays(partition: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Integer arrays as int64 (floats kept float64, for per-client skew parameters)."""
-    arrays = {str(k): np.asarray(v) for k, v in partition.items()}
-    if "client_sizes" not in arrays and "client_offsets" in arrays:
-        arrays["client_sizes"] = np.diff(arrays["client_offsets"])
-    return {k: a.astype(np.float64 if a.dtype.kind == "f" else np.int64) for k, a in arrays.items()}
-
-
-def _write_partition(group: h5py.Group, arrays: dict[str, np.ndarray]) -> None:
-    group.attrs["schema_version"] = schema.SCHEMA_VERSION
-    for name, arr in arrays.items():
-        big = arr.size >= schema.COMPRESS_MIN_SIZE
-        group.create_dataset(name, data=arr, compression="gzip" if big else None)
-
-
-def _create_columns(group: h5py.Group, fields: list[str], chunk: int) -> None:
-    """Empty extendable columns; they must exist before SWMR starts."""
-    group.attrs["schema_version"] = schema.SCHEMA_VERSION
-    group.attrs["fields"] = json.dumps(list(fields))
-    for field in fields:
-        _label(group.create_dataset(field, shape=(0,), maxshape=(None,), chunks=(chunk,),
-                                    dtype=schema.column_dtype(field), fillvalue=schema.fill_value(field)))
-
-
-def _label(ds: h5py.Dataset) -> None:
-    """The column's ``units`` attribute, where its name has one (``schema.units_of``)."""
-    unit = schema.units_of(ds.name.rsplit("/", 1)[-1])
-    if unit:
-        ds.attrs["units"] = unit
-
-
-def _write_layout(group: h5py.Group, layout: list[tuple[str, tuple[int, ...], int]]) -> int:
-    """One row per tensor in four plain columns, so pandas/h5py users need no decoding tricks."""
-    group.attrs["schema_version"] = schema.SCHEMA_VERSION
-    sizes = [int(np.prod(shape, dtype=np.int64)) for _, shape, _ in layout]
-    n_params = max((off + size for (_, _, off), size in zip(layout, sizes)), default=0)
-    group.attrs["n_params"] = n_params
-    table = group.create_group("layout")
-    table.attrs["schema_version"] = schema.SCHEMA_VERSION
-    strings = h5py.string_dtype("utf-8")
-    table.create_dataset("names", data=[name for name, _, _ in layout], dtype=strings, shape=(len(layout),))
-    table.create_dataset("shapes", data=[json.dumps(list(s)) for _, s, _ in layout], dtype=strings,
-                         shape=(len(layout),))
-    table.create_dataset("offsets", data=np.array([o for _, _, o in layout], dtype=np.int64))
-    table.create_dataset("sizes", data=np.array(sizes, dtype=np.int64))
-    return n_params
-
-
-def _column_values(field: str, values, n: int) -> np.ndarray:
-    """Values for one column, in its dtype; int columns take NaN as -1 and refuse fractions."""
-    if values is None:
-        return np.full(n, schema.fill_value(field), dtype=schema.column_dtype(field))
-    arr = np.asarray(values)
-    if arr.shape != (n,):
-        raise ValueError(f"{field}: expected {n} values, got shape {arr.shape}")
-    if schema.column_dtype(field) == "float64" or arr.dtype.kind in "iub":
-        return arr.astype(schema.column_dtype(field))
-    arr = np.where(np.isnan(arr.astype(np.float64)), schema.INT_FILL, arr.astype(np.float64))
-    if not np.array_equal(arr, np.round(arr)):
-        raise ValueError(f"{field} holds integers, got {arr.tolist()}")
-    return arr.astype(np.int64)
 
 
 def _one_line(exc_type, exc) -> str:
