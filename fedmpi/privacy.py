@@ -26,7 +26,6 @@ import math
 
 from .errors import UsageError
 
-ACCOUNTANTS = ("pld", "rdp")
 # the PLD's loss grid: 10x the library's default (1e-4), 9x faster per round (0.1 s against
 # 0.9 s for 500 rounds at q = 0.1, sigma = 1), epsilon the same to 4 digits there; the PLD
 # of a Gaussian is built pessimistically, so any grid gives an upper bound

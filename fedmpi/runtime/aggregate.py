@@ -109,10 +109,6 @@ class Sharded(WeightedMean):
         self.d, self.rule, self.space = d, rule, gram.Workspace()
         self.vectors: dict[int, torch.Tensor] = {}
 
-    def begin(self, sizes: dict[str, int]) -> None:
-        super().begin(sizes)
-        self.vectors = {}
-
     def fold(self, c: int, contribution: dict, delta: torch.Tensor) -> None:
         super().fold(c, contribution, delta)
         self.vectors[c] = delta.detach().float().cpu()   # host memory: K_w d a worker

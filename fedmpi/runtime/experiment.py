@@ -36,7 +36,6 @@ import numpy as np
 from .. import algorithms, signals
 from ..algorithms import group_sgd
 from ..errors import warn
-from .aggregate import Contributions, sum_in_client_order
 from .compression import Compression
 from .failure import fail
 from .grouping import client_group
@@ -56,8 +55,8 @@ from .state import ClientStateStore
 from .system import kernels_warning, numerics
 from .world import build_world, eval_batch_size, rank_info, rank_table, same_config, same_software
 
-__all__ = ["CLIENT_FIELDS", "EXIT_PREEMPTED", "RANK_FIELDS", "ROUND_FIELDS", "Contributions",
-           "Experiment", "StopRun", "eval_batch_size", "rank_table", "sum_in_client_order"]
+__all__ = ["CLIENT_FIELDS", "EXIT_PREEMPTED", "RANK_FIELDS", "ROUND_FIELDS", "Experiment",
+           "StopRun", "eval_batch_size", "rank_table"]
 
 
 class Experiment:
