@@ -239,6 +239,9 @@ class PrivacyConfig:
                                        # (replaces noise_multiplier; the file records it)
     delta: float = 0.0                 # the delta epsilon is reported at; 0: 1 / clients.num^1.1
     accountant: str = "auto"           # auto (pld under bernoulli sampling, else rdp) | pld | rdp
+    audit_canaries: int = 0            # m > 0: the one-run privacy audit's canary clients
+                                       # (fedmpi.audit); its epsilon lower bound after the
+                                       # last round, in /rounds
 
 
 @dataclass

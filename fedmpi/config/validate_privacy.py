@@ -10,6 +10,9 @@ from .coerce import field_error, one_of as _one_of
 from .schema import ExperimentConfig
 from .vocab import PRIVACY_ACCOUNTANTS, PRIVACY_MECHANISMS
 
+# the canaries are scored after the last round, each direction drawn again: m d numbers
+MAX_CANARIES = 100_000
+
 # deferred imports: fedmpi.privacy loads dp-accounting (an optional extra) and
 # fedmpi.runtime imports this package (a cycle at load time); only a private config
 # needs either, when it is checked
@@ -20,6 +23,9 @@ def validate_privacy(c: ExperimentConfig) -> None:
     _one_of("privacy.mechanism", p.mechanism, PRIVACY_MECHANISMS)
     _one_of("privacy.accountant", p.accountant, PRIVACY_ACCOUNTANTS)
     if p.mechanism == "off":
+        if p.audit_canaries:
+            raise field_error("privacy.audit_canaries", "audits the private mechanism; needs "
+                                                        "privacy.mechanism = \"central\"")
         return
     if not p.clip > 0 or math.isinf(p.clip):
         raise field_error("privacy.clip", f"must be a finite number > 0 (the L2 norm each "
@@ -37,6 +43,15 @@ def validate_privacy(c: ExperimentConfig) -> None:
                                                 f"(clients.sampling = \"bernoulli\"); "
                                                 f"{c.clients.sampling!r} sampling needs \"rdp\" "
                                                 f"(or \"auto\")")
+    if p.audit_canaries:
+        if not 2 <= p.audit_canaries <= MAX_CANARIES:
+            raise field_error("privacy.audit_canaries", f"must be 0 (no audit) or from 2 to "
+                                                        f"{MAX_CANARIES}, got {p.audit_canaries}")
+        if c.clients.sampling != "bernoulli":
+            raise field_error("privacy.audit_canaries", f"the canaries join rounds as Poisson-"
+                                                        f"sampled clients; needs clients.sampling "
+                                                        f"= \"bernoulli\", not "
+                                                        f"{c.clients.sampling!r}")
     from ..runtime.dp import refuse   # deferred (above)
     refuse(c)
     from .. import privacy            # deferred (above)

@@ -5,6 +5,11 @@ Differentially Private Recurrent Language Models", ICLR 2018) as two pipeline st
   Delta_i scaled to L2 norm at most C (``privacy.clip``), and its contribution made
   (Delta_i, weight 1). The method's own weight n_i would make the sensitivity grow with
   the client's data: the clip bounds Delta_i, not n_i Delta_i.
+- ``Canaries`` (``privacy.audit_canaries = m``), a server stage before the noise: the
+  one-run audit's m canary clients (fedmpi.audit), each included with probability 1/2,
+  present in a round with the clients' probability q, each sending +-C on a coordinate
+  of its own; after the last round they are scored by the model's movement there and
+  the audit's lower bound on epsilon is reported.
 - ``CentralNoise``, a server stage, after the reduce and before the server update: the
   sum gets N(0, sigma^2 C^2) per coordinate, drawn once, on the server, from the stream
   keyed by (seed, "dp-noise", round, phase) (never in the workers' partial sums, which
@@ -21,7 +26,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import algorithms, privacy
+import numpy as np
+
+from .. import algorithms, audit, privacy
 from ..algorithms.base import fedavg_server_side
 from ..config.coerce import field_error
 from .rng import torch_generator
@@ -83,13 +90,69 @@ class CentralNoise(ServerStage):
         return privacy.describe(self.config)
 
 
+class Canaries(ServerStage):
+    """The one-run audit's canaries (Steinke, Nasr and Jagielski 2023): simulated clients
+    of the population, on the server, adding their updates to the round's sum before the
+    noise (so the whole mechanism, noise and fixed denominator, acts on them as on a
+    client). Canary j's update is a Dirac update of norm C, +-C on its own coordinate k_j
+    (the paper's white-box canaries: distinct coordinates, so canaries never interfere,
+    and adding or scoring one costs O(1)). They send and receive nothing: the ledger
+    counts the real clients only. Membership, presence, coordinates and signs come from
+    keyed streams, so a resume and any rank count give the same canaries; x_0 is the
+    initial model, which every start builds the same."""
+    round_fields = ["audit_epsilon", "audit_guesses", "audit_correct"]
+
+    def __init__(self, config, d: int, x0: torch.Tensor):
+        self.config, self.m = config, config.privacy.audit_canaries
+        if self.m > d:
+            raise field_error("privacy.audit_canaries", f"each canary has a coordinate of its "
+                                                        f"own; at most the model's {d} "
+                                                        f"parameters, got {self.m}")
+        self.x0 = x0.detach().to("cpu", torch.float64, copy=True)
+        self.q = privacy.sampling_rate(config)
+        seed = config.seed
+        draw = torch.rand(self.m, generator=torch_generator(seed, "dp-audit-member"),
+                          dtype=torch.float64)
+        self.included = (draw < 0.5).numpy()
+        self.coordinate = torch.randperm(d, generator=torch_generator(seed, "dp-audit-coordinate"))[:self.m]
+        signs = torch.randint(0, 2, (self.m,), generator=torch_generator(seed, "dp-audit-sign"))
+        self.update = (2.0 * signs - 1) * float(config.privacy.clip)   # +-C
+
+    def before(self, state, sums, gathered, ctx, p):
+        g = torch_generator(self.config.seed, "dp-audit-present", ctx.round, p)
+        present = (torch.rand(self.m, generator=g, dtype=torch.float64) < self.q).numpy()
+        which = torch.from_numpy(np.flatnonzero(present & self.included))
+        delta = sums["delta"].clone()
+        delta.index_put_((self.coordinate[which].to(delta.device),),
+                         self.update[which].to(delta.dtype).to(delta.device), accumulate=True)
+        sums["delta"] = delta
+
+    def after(self, state, sums, gathered, ctx, p):
+        if ctx.round + 1 != self.config.rounds:
+            return {}
+        moved = state["x"].detach().cpu().double()[self.coordinate] - self.x0[self.coordinate]
+        scores = (moved * self.update.sign()).numpy()
+        return audit.audit(scores, self.included, privacy.delta_of(self.config))
+
+    def describe(self):
+        return {"privacy_audit_canaries": self.m,
+                "privacy_audit": f"one run (Steinke, Nasr and Jagielski 2023): Dirac canary "
+                                 f"updates +-C, score sign_j (x_T - x_0)[k_j], k/m in "
+                                 f"{list(audit.GUESS_FRACTIONS)}, confidence {audit.CONFIDENCE}"}
+
+
 def client_stages(config) -> list[ClientStage]:
     """The private client stages, first in the order (fedmpi.runtime.stages)."""
     return [ClipUpdate(config.privacy.clip)] if config.privacy.mechanism == "central" else []
 
 
-def server_stages(config, d: int) -> list[ServerStage]:
-    return [CentralNoise(config, d)] if config.privacy.mechanism == "central" else []
+def server_stages(config, d: int, x0: torch.Tensor) -> list[ServerStage]:
+    """The private server stages in order (``x0``: the initial model, for the audit).
+    Built on every rank, so a refusal is every rank's; only the server runs them."""
+    if config.privacy.mechanism != "central":
+        return []
+    canaries = [Canaries(config, d, x0)] if config.privacy.audit_canaries else []
+    return canaries + [CentralNoise(config, d)]
 
 
 def refuse(c) -> None:

@@ -99,7 +99,7 @@ class Experiment:
                              context=partial(round_context, cfg), make_task=self.task,
                              deterministic=cfg.system.deterministic, group=self.group,
                              codecs=self.codecs, stages=client_stages(cfg, self.codecs),
-                             server_stages=server_stages(cfg, self.d) if comm.is_server else [])
+                             server_stages=server_stages(cfg, self.d, self.flat.params))
         measured = measure_step_time(self, partial(round_context, cfg)) \
             if cfg.system_model.profiles != "off" and cfg.system_model.measure_step_time \
             and not self.resume else None   # a resume: the file's
