@@ -21,7 +21,7 @@ Layers: ``runs`` (find and read files into ``Run``), ``metrics`` (numbers of one
 
 from fedmpi.analysis.metrics import (
     MB, accuracy_at, accuracy_curve, best_accuracy, cumulative_time, cumulative_traffic_mb,
-    cumulative_upload_mb, ema, final_accuracy, final_norm, kappa, rho, rounds_to, summary,
+    cumulative_upload_mb, ema, final_accuracy, final_norm, kappa, last_value, rho, rounds_to, summary,
     total_traffic_mb, traffic_per_round_mb, upload_mb, wall_time, window_accuracy,
 )
 from fedmpi.analysis.plot import plot_accuracy, save_plot
@@ -35,7 +35,7 @@ __all__ = [
     "MB", "Run", "SkippedFileWarning", "accuracy_at", "accuracy_curve", "best_accuracy",
     "clients_table", "confounds", "cumulative_time", "cumulative_traffic_mb", "cumulative_upload_mb",
     "differing_keys", "ema", "final_accuracy", "final_norm", "flatten", "get_key", "group_keys", "group_table",
-    "kappa", "load", "pivot", "plot_accuracy", "rho", "rounds_table", "rounds_to", "runs_table",
+    "kappa", "last_value", "load", "pivot", "plot_accuracy", "rho", "rounds_table", "rounds_to", "runs_table",
     "save_plot", "summary", "total_traffic_mb", "traffic_per_round_mb", "upload_mb", "wall_time",
     "window_accuracy",
 ]

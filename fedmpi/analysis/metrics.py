@@ -225,6 +225,14 @@ def _ratio(acc: float, denominator: float) -> float:
     return acc * 1e4 / denominator
 
 
+def last_value(run, column: str) -> float:
+    """The last non-NaN value of a /rounds column (``epsilon`` after the last round, inf
+    without noise; ``audit_epsilon``); NaN where the run has none."""
+    values = np.asarray(_rounds(run).get(column, ()), dtype=np.float64)
+    values = values[~np.isnan(values)]
+    return float(values[-1]) if values.size else math.nan
+
+
 PROBE_SKIP = ("round", "seconds", "posthoc")
 
 
@@ -249,7 +257,7 @@ def summary(run, at=(), targets=(), smooth: float | None = None, windows=(),
     ((A, B) round pairs: the raw accuracy's mean over A..B, never smoothed), rounds_to_T
     per ``targets`` (None if never reached), traffic_mb, upload_mb, mb_per_round, time_s,
     kappa, rho, final_norm with ``norm`` (it reads the final model), and the probes of a
-    self-supervised run (``probe_results``). A run with the virtual clock adds
+    self-supervised run (``probe_results``). A private run adds epsilon and audit_epsilon. A run with the virtual clock adds
     hours_to_T per ``targets`` (None if never reached) and virtual_h.
     """
     out = {"rounds_done": last_round(run),
@@ -263,6 +271,8 @@ def summary(run, at=(), targets=(), smooth: float | None = None, windows=(),
     out.update(traffic_mb=total_traffic_mb(run), upload_mb=upload_mb(run),
                mb_per_round=traffic_per_round_mb(run), time_s=wall_time(run), kappa=kappa(run),
                rho=rho(run))
+    if "epsilon" in _rounds(run):      # a private run: what its accountant and audit say
+        out.update(epsilon=last_value(run, "epsilon"), audit_epsilon=last_value(run, "audit_epsilon"))
     if has_virtual_clock(run):
         out.update({f"hours_to_{target_name(t)}": hours_to(run, t, smooth) for t in targets})
         out["virtual_h"] = virtual_hours(run)

@@ -25,10 +25,11 @@ from fedmpi.errors import UsageError
 # --columns choices, in display order; acc needs --at, rounds and hours need --target,
 # hours and vtime a run with the virtual clock.
 COLUMNS = ("acc", "window", "final", "best", "rounds", "hours", "traffic", "upload", "per_round",
-           "time", "vtime", "norm", "kappa", "rho", "probes")
+           "time", "vtime", "epsilon", "audit", "norm", "kappa", "rho", "probes")
 _NUMBER_COLUMNS = {"traffic": ("traffic_mb", "traffic MB"), "upload": ("upload_mb", "up MB"),
                    "per_round": ("mb_per_round", "MB/round"), "time": ("time_s", "time s"),
-                   "kappa": ("kappa", "kappa"), "rho": ("rho", "rho")}
+                   "kappa": ("kappa", "kappa"), "rho": ("rho", "rho"),
+                   "epsilon": ("epsilon", "ε"), "audit": ("audit_epsilon", "audit ε")}
 _NO_CLOCK = "set system_model.profiles = \"lognormal\" to run with one"
 
 
@@ -45,7 +46,7 @@ def report_table(runs, group_by=None, at=(), targets=(), smooth=None, columns=No
     probes = sorted((k[:-len("_mean")] for k in (rows[0] if rows else {})
                      if k.endswith("_mean") and is_probe(k[:-len("_mean")])), key=probe_order)
     chosen = _choose(columns, at, targets, bool(probes), any(has_virtual_clock(run) for run in runs),
-                     any(_compressed(run) for run in runs), windows)
+                     any(_compressed(run) for run in runs), windows, _private(runs))
     specs = _metric_specs(chosen, at, targets, probes, windows)
     if fmt == "csv":
         return render.csv_table(rows, keys + ["status", "n", "seeds"] + [f for spec in specs for f in spec[2]])
@@ -93,6 +94,13 @@ def _label(row: dict, keys: list[str], show_status: bool) -> str:
     return ", ".join(parts)
 
 
+def _private(runs) -> tuple[bool, bool]:
+    """Whether any run is private (``[privacy]``), and whether any was audited."""
+    sections = [(run.config or {}).get("privacy") or {} for run in runs]
+    return (any(p.get("mechanism", "off") != "off" for p in sections),
+            any(p.get("audit_canaries", 0) for p in sections))
+
+
 def _compressed(run) -> bool:
     """Whether the run's config compresses a message (``[compression]``)."""
     section = (run.config or {}).get("compression") or {}
@@ -100,14 +108,16 @@ def _compressed(run) -> bool:
 
 
 def _choose(columns, at, targets, probes: bool = False, clock: bool = False,
-            compressed: bool = False, windows=()) -> list[str]:
+            compressed: bool = False, windows=(), private=(False, False)) -> list[str]:
     """Chosen columns in display order; by default everything the options give numbers for
-    (upload and per_round when a run compresses its messages; norm only when asked for)."""
+    (upload and per_round when a run compresses its messages; epsilon when one is private,
+    audit when one was audited; norm only when asked for)."""
     if not columns:
         return [c for c in COLUMNS if (c != "acc" or at) and (c != "window" or windows)
                 and c != "norm" and (c not in ("rounds", "hours") or targets)
                 and (c != "probes" or probes) and (c not in ("hours", "vtime") or clock)
-                and (c not in ("upload", "per_round") or compressed)]
+                and (c not in ("upload", "per_round") or compressed)
+                and (c != "epsilon" or private[0]) and (c != "audit" or private[1])]
     unknown = [c for c in columns if c not in COLUMNS]
     if unknown:
         raise UsageError(f"--columns: unknown column {unknown[0]!r}; allowed: {', '.join(COLUMNS)}")
@@ -207,6 +217,10 @@ def _notes(chosen, smooth, show_status, replicas=()) -> str:
                                      ("per_round", "MB/round: FL MB down + up per trained round"),
                                      ("time", "time: sum of round wall times (s)"),
                                      ("vtime", "virtual h: the run's virtual time in hours"),
+                                     ("epsilon", "ε: the accountant's epsilon after the last "
+                                                 "round, at the run's delta (inf: no noise)"),
+                                     ("audit", "audit ε: the one-run audit's lower bound "
+                                               "on epsilon (95% confidence)"),
                                      ("kappa", "kappa = acc*1e4/time"),
                                      ("rho", "rho = acc*1e4/traffic")) if name in chosen]
     if units:
