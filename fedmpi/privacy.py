@@ -49,6 +49,25 @@ def delta_of(config) -> float:
     return p.delta if p.delta else 1.0 / config.clients.num ** 1.1
 
 
+def count_std(config) -> float:
+    """sigma_b, the std of adaptive clipping's count noise: ``privacy.count_noise``, or
+    the expected clients a round / 20 (Andrew et al. 2021's choice) where 0."""
+    p = config.privacy
+    return p.count_noise if p.count_noise else config.clients.per_round / 20
+
+
+def update_noise_multiplier(config) -> float:
+    """The noise multiplier on the summed updates. With a fixed clip, sigma; with
+    adaptive clipping sigma_Delta = (sigma^-2 - (2 sigma_b)^-2)^-1/2: the updates' Gaussian
+    (sensitivity C) and the count's (sensitivity 1/2, the centred bits b_i - 1/2) compose
+    into one Gaussian mechanism of multiplier sigma (Andrew et al. 2021, Theorem 1), which
+    is what the accountant is told."""
+    sigma = float(config.privacy.noise_multiplier)
+    if not config.privacy.clip_quantile or not sigma:
+        return sigma
+    return (sigma ** -2 - (2 * count_std(config)) ** -2) ** -0.5
+
+
 def sampling_rate(config) -> float:
     """q: the chance a given client is in a round's sample."""
     c = config.clients
@@ -152,7 +171,12 @@ def describe(config) -> dict:
             "privacy_sampling_rate": sampling_rate(config),
             "privacy_accountant": f"dp-accounting {accountant_of(config).upper()}"
                                   + (f" (grid {PLD_GRID:g})" if accountant_of(config) == "pld" else ""),
-            "privacy_event": type(round_event(config)).__name__}
+            "privacy_event": type(round_event(config)).__name__,
+            **({"privacy_clip_quantile": float(config.privacy.clip_quantile),
+                "privacy_clip_lr": float(config.privacy.clip_lr),
+                "privacy_count_noise": count_std(config) if config.privacy.noise_multiplier else 0.0,
+                "privacy_update_noise_multiplier": update_noise_multiplier(config)}
+               if config.privacy.clip_quantile else {})}
 
 
 def summary(config, target: float | None = None) -> str:

@@ -117,14 +117,20 @@ def test_a_resumed_audit_is_the_uninterrupted_one(tmp_path):
 
 @pytest.mark.slow
 @needs_mpi
-def test_an_audited_run_is_bitwise_the_same_on_3_ranks(tmp_path):
-    values = merged(AUDITED, privacy={**AUDITED["privacy"], "noise_multiplier": 1.0})
+def test_an_audited_run_with_adaptive_clipping_is_bitwise_the_same_on_3_ranks(tmp_path):
+    """Canaries, central noise and adaptive clipping's noisy count: the server's stages
+    and the clip it sends down each round are the same for any number of workers."""
+    private = {**AUDITED["privacy"], "noise_multiplier": 1.0, "clip": 0.05, "clip_quantile": 0.5}
+    values = merged(AUDITED, privacy=private)
     config = write_config(tmp_path / "audit.toml", values)
     mpirun(3, [sys.executable, "-m", "fedmpi", "run", "-q", str(config), "-o",
                str(tmp_path / "n3.h5")])
-    with RunFile(audited(tmp_path, "one", 1.0)) as a, RunFile(tmp_path / "n3.h5") as b:
+    run_experiment(cfg.from_dict({**values, "output": str(tmp_path / "one.h5")}), LocalComm(),
+                   quiet=True)
+    with RunFile(tmp_path / "one.h5") as a, RunFile(tmp_path / "n3.h5") as b:
         assert np.array_equal(a.model(), b.model())
-        for name in ("audit_epsilon", "audit_correct", "epsilon"):
+        assert len(set(a.rounds()["dp_clip"][1:])) == 8
+        for name in ("audit_epsilon", "audit_correct", "epsilon", "dp_clip", "dp_unclipped"):
             assert np.array_equal(a.rounds()[name], b.rounds()[name], equal_nan=True)
 
 

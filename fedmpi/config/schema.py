@@ -239,6 +239,11 @@ class PrivacyConfig:
                                        # (replaces noise_multiplier; the file records it)
     delta: float = 0.0                 # the delta epsilon is reported at; 0: 1 / clients.num^1.1
     accountant: str = "auto"           # auto (pld under bernoulli sampling, else rdp) | pld | rdp
+    clip_quantile: float = 0.0         # gamma in (0, 1): adaptive clipping (Andrew et al. 2021):
+                                       # clip follows this quantile of the update norms from
+                                       # a noisy count; 0: the clip stays `clip`
+    clip_lr: float = 0.2               # eta_C: C <- C exp(-eta_C (unclipped fraction - gamma))
+    count_noise: float = 0.0           # sigma_b: the count's noise std; 0: per_round / 20
     audit_canaries: int = 0            # m > 0: the one-run privacy audit's canary clients
                                        # (fedmpi.audit); its epsilon lower bound after the
                                        # last round, in /rounds

@@ -43,6 +43,15 @@ def validate_privacy(c: ExperimentConfig) -> None:
                                                 f"(clients.sampling = \"bernoulli\"); "
                                                 f"{c.clients.sampling!r} sampling needs \"rdp\" "
                                                 f"(or \"auto\")")
+    if not 0 <= p.clip_quantile < 1:
+        raise field_error("privacy.clip_quantile", f"must be in (0, 1) (adaptive clipping's "
+                                                   f"target quantile; 0: a fixed clip), got "
+                                                   f"{p.clip_quantile}")
+    if not 0 <= p.clip_lr < math.inf:
+        raise field_error("privacy.clip_lr", f"must be a finite number >= 0, got {p.clip_lr}")
+    if not 0 <= p.count_noise < math.inf:
+        raise field_error("privacy.count_noise", f"must be a finite number >= 0 (0: "
+                                                 f"clients.per_round / 20), got {p.count_noise}")
     if p.audit_canaries:
         if not 2 <= p.audit_canaries <= MAX_CANARIES:
             raise field_error("privacy.audit_canaries", f"must be 0 (no audit) or from 2 to "
@@ -59,3 +68,10 @@ def validate_privacy(c: ExperimentConfig) -> None:
         p.noise_multiplier = privacy.calibrate(c, p.target_epsilon)
     else:
         privacy.round_event(c)        # the library is there: a run never fails for it later
+    if p.clip_quantile and p.noise_multiplier and \
+            not 2 * privacy.count_std(c) > p.noise_multiplier:
+        raise field_error("privacy.count_noise", f"adaptive clipping splits the noise multiplier "
+                                                 f"{p.noise_multiplier:g} between the updates and "
+                                                 f"the count, which needs 2 sigma_b > it; sigma_b = "
+                                                 f"{privacy.count_std(c):g}; raise count_noise "
+                                                 f"(or clients.per_round)")

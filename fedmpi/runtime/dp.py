@@ -24,9 +24,10 @@ What the accounting assumes is refused where a config breaks it (``refuse``).
 
 from __future__ import annotations
 
-import torch
+import math
 
 import numpy as np
+import torch
 
 from .. import algorithms, audit, privacy
 from ..algorithms.base import fedavg_server_side
@@ -36,25 +37,49 @@ from .stages import ClientStage
 
 
 class ClipUpdate(ClientStage):
-    """Delta_i <- Delta_i min(1, C / ||Delta_i||); the contribution (Delta_i, 1)."""
+    """Delta_i <- Delta_i min(1, C / ||Delta_i||); the contribution (Delta_i, 1). With
+    adaptive clipping (``adaptive``) C is the round's, which the server sends down
+    (``receive``), and the contribution adds the centred bit b_i - 1/2, b_i = [||Delta_i||
+    <= C], to the summed ``dp_below``: one value down and one up a participation."""
 
-    def __init__(self, clip: float):
-        self.clip = clip
+    def __init__(self, clip: float, adaptive: bool = False):
+        self.clip, self.adaptive = clip, adaptive
+        self.below = None   # the last upload's b_i, which its contribute adds
+
+    def receive(self, values):
+        if "dp_clip" in values:
+            self.clip = float(values["dp_clip"])
+
+    def traffic(self, p):
+        return (1, 1) if self.adaptive else (0, 0)
+
+    def sums(self, p, d):
+        return {"dp_below": 1} if self.adaptive else {}
 
     def upload(self, upload, state, key):
         norm = torch.linalg.vector_norm(upload.delta)
+        self.below = norm <= self.clip
         upload.delta = upload.delta * torch.clamp(self.clip / norm, max=1.0)   # 0/0: never, C > 0
         return upload, {}
 
     def contribute(self, contribution, upload, meta):
         one = torch.ones(1, dtype=upload.delta.dtype, device=upload.delta.device)
-        return {**contribution, "delta": upload.delta, "weight": one}
+        out = {**contribution, "delta": upload.delta, "weight": one}
+        if self.adaptive:
+            out["dp_below"] = one * (self.below.to(one.dtype) - 0.5)
+        return out
 
 
 class ServerStage:
-    """After the reduce, on the server: ``before`` the server update may change the sums;
-    ``after`` it gives round diagnostics (``round_fields``)."""
+    """On the server: ``download`` adds values to the round's payload for the client
+    stages; after the reduce ``before`` the server update may change the sums (which
+    still hold the client stages' extra sums); ``after`` it gives round diagnostics
+    (``round_fields``). State a stage keeps across rounds lives in the server state under
+    a name of its own (checkpointed with it)."""
     round_fields: list[str] = []
+
+    def download(self, state) -> dict:
+        return {}
 
     def before(self, state, sums: dict, gathered: dict, ctx, p: int) -> None:
         pass
@@ -68,23 +93,57 @@ class ServerStage:
 
 
 class CentralNoise(ServerStage):
-    """N(0, sigma^2 C^2) on the summed updates, the fixed denominator S, epsilon after."""
-    round_fields = ["epsilon"]
+    """N(0, sigma^2 C^2) on the summed updates, the fixed denominator S, epsilon after.
+    With adaptive clipping (Andrew et al. 2021) C is the round's C_t, kept in the server
+    state (``dp_clip``, float32: the value the clients receive), the updates' noise
+    multiplier is sigma_Delta, and the summed centred bits get N(0, sigma_b^2) from their
+    own keyed stream; the unclipped fraction b = (their sum) / S + 1/2 moves the clip:
+    C_(t+1) = C_t exp(-eta_C (b - gamma))."""
 
     def __init__(self, config, d: int):
         self.config, self.d = config, d
         p = config.privacy
-        self.std = float(p.noise_multiplier) * float(p.clip)
+        self.adaptive = bool(p.clip_quantile)
+        self.multiplier = privacy.update_noise_multiplier(config)
+        self.count_std = privacy.count_std(config) if p.noise_multiplier else 0.0
         self.denominator = float(config.clients.per_round)
+        self.round_fields = ["epsilon"] + (["dp_clip", "dp_unclipped"] if self.adaptive else [])
+        self.row = {}
+
+    def clip(self, state) -> float:
+        """C_t: the config's, or adaptive clipping's current one."""
+        if not self.adaptive:
+            return float(self.config.privacy.clip)
+        if "dp_clip" not in state:
+            state["dp_clip"] = torch.tensor([self.config.privacy.clip], dtype=torch.float32)
+        return float(state["dp_clip"])
+
+    def download(self, state):
+        if not self.adaptive:
+            return {}
+        self.clip(state)   # C_0 in the state before the first round
+        return {"dp_clip": state["dp_clip"]}
 
     def before(self, state, sums, gathered, ctx, p):
-        if self.std:
+        clip = self.clip(state)
+        std = self.multiplier * clip
+        if std:
             g = torch_generator(self.config.seed, "dp-noise", ctx.round, p)
-            sums["delta"] = sums["delta"] + torch.randn(self.d, generator=g) * self.std
+            sums["delta"] = sums["delta"] + torch.randn(self.d, generator=g) * std
         sums["weight"] = torch.tensor([self.denominator], dtype=sums["delta"].dtype)
+        if self.adaptive:
+            below = float(sums["dp_below"].double().sum())
+            if self.count_std:
+                g = torch_generator(self.config.seed, "dp-count-noise", ctx.round, p)
+                below += float(torch.randn(1, generator=g, dtype=torch.float64)) * self.count_std
+            unclipped = below / self.denominator + 0.5
+            q = self.config.privacy
+            state["dp_clip"] = torch.tensor(
+                [clip * math.exp(-q.clip_lr * (unclipped - q.clip_quantile))], dtype=torch.float32)
+            self.row = {"dp_clip": clip, "dp_unclipped": unclipped}
 
     def after(self, state, sums, gathered, ctx, p):
-        return {"epsilon": privacy.epsilon(self.config, ctx.round + 1)}
+        return {"epsilon": privacy.epsilon(self.config, ctx.round + 1), **self.row}
 
     def describe(self):
         return privacy.describe(self.config)
@@ -94,7 +153,8 @@ class Canaries(ServerStage):
     """The one-run audit's canaries (Steinke, Nasr and Jagielski 2023): simulated clients
     of the population, on the server, adding their updates to the round's sum before the
     noise (so the whole mechanism, noise and fixed denominator, acts on them as on a
-    client). Canary j's update is a Dirac update of norm C, +-C on its own coordinate k_j
+    client). Canary j's update is a Dirac update of norm C (the round's), +-C on its own
+    coordinate k_j
     (the paper's white-box canaries: distinct coordinates, so canaries never interfere,
     and adding or scoring one costs O(1)). They send and receive nothing: the ledger
     counts the real clients only. Membership, presence, coordinates and signs come from
@@ -116,22 +176,25 @@ class Canaries(ServerStage):
         self.included = (draw < 0.5).numpy()
         self.coordinate = torch.randperm(d, generator=torch_generator(seed, "dp-audit-coordinate"))[:self.m]
         signs = torch.randint(0, 2, (self.m,), generator=torch_generator(seed, "dp-audit-sign"))
-        self.update = (2.0 * signs - 1) * float(config.privacy.clip)   # +-C
+        self.sign = 2.0 * signs - 1
 
     def before(self, state, sums, gathered, ctx, p):
         g = torch_generator(self.config.seed, "dp-audit-present", ctx.round, p)
         present = (torch.rand(self.m, generator=g, dtype=torch.float64) < self.q).numpy()
         which = torch.from_numpy(np.flatnonzero(present & self.included))
+        clip = float(state["dp_clip"]) if "dp_clip" in state else float(self.config.privacy.clip)
         delta = sums["delta"].clone()
         delta.index_put_((self.coordinate[which].to(delta.device),),
-                         self.update[which].to(delta.dtype).to(delta.device), accumulate=True)
+                         (clip * self.sign[which]).to(delta.dtype).to(delta.device), accumulate=True)
         sums["delta"] = delta
+        if "dp_below" in sums:   # adaptive clipping: a canary is at the clip, so unclipped
+            sums["dp_below"] = sums["dp_below"] + 0.5 * len(which)
 
     def after(self, state, sums, gathered, ctx, p):
         if ctx.round + 1 != self.config.rounds:
             return {}
         moved = state["x"].detach().cpu().double()[self.coordinate] - self.x0[self.coordinate]
-        scores = (moved * self.update.sign()).numpy()
+        scores = (moved * self.sign).numpy()
         return audit.audit(scores, self.included, privacy.delta_of(self.config))
 
     def describe(self):
@@ -143,7 +206,8 @@ class Canaries(ServerStage):
 
 def client_stages(config) -> list[ClientStage]:
     """The private client stages, first in the order (fedmpi.runtime.stages)."""
-    return [ClipUpdate(config.privacy.clip)] if config.privacy.mechanism == "central" else []
+    p = config.privacy
+    return [ClipUpdate(p.clip, bool(p.clip_quantile))] if p.mechanism == "central" else []
 
 
 def server_stages(config, d: int, x0: torch.Tensor) -> list[ServerStage]:

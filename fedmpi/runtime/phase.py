@@ -25,13 +25,16 @@ import torch
 
 from .. import algorithms
 from ..algorithms import schedule
-from ..flat import host_vector
+from ..flat import WIRE_BYTES, host_vector
 from .aggregate import aggregator_for, split
 from .asyncfl import Versions
 from .compression import Compression
 from .plan import groups, place
 from .records import Timers, Traffic
 from .stages import ClientStage, Encode, state_sizes
+
+# the payload's names for what server stages send the client stages (``receive``)
+STAGE = "stage/"
 
 ROW = ["client", "rank", "n_samples", "steps", "train_loss", "update_norm", "seconds"]
 
@@ -108,10 +111,10 @@ class Phases:
         self.gather_states(new_states)
         if not comm.is_server:
             return None
-        extra = {k: sums.pop(k) for stage in self.stages for k in stage.sums(p, self.d)}
         t0 = time.perf_counter()
-        for stage in self.server_stages:
+        for stage in self.server_stages:   # they see the stages' extra sums (privacy's count)
             stage.before(state, sums, gathered, ctx, p)
+        extra = {k: sums.pop(k) for stage in self.stages for k in stage.sums(p, self.d)}
         update = versions.update if versions is not None and versions.update else alg.server_update
         update(state, sums, gathered, ctx)                                              # 4
         after = {}
@@ -121,6 +124,9 @@ class Phases:
         diagnostics = {**self.summarize(p, extra, gathered), **after,
                        **alg.diagnostics(state, sums, gathered, ctx)}
         down, up = self.codecs.message_bytes(self.d, phase)
+        for stage in self.stages:
+            values_down, values_up = stage.traffic(p)
+            down, up = down + WIRE_BYTES * values_down, up + WIRE_BYTES * values_up
         n = len(participants)
         traffic.add(down, up, n)
         rows = {**self.unused_columns(phase, n), **gathered, "phase": np.full(n, p),
@@ -153,6 +159,8 @@ class Phases:
                     payload = {f"{v}/{k}": tensor for v, s in sorted(versions.states.items())
                                for k, tensor in self.codecs.download(self.alg.payload(
                                    s, self.context(v, phase, participants))).items()}
+                for stage in self.server_stages:   # privacy's adaptive clip
+                    payload.update({f"{STAGE}{k}": v for k, v in stage.download(state).items()})
                 spec = [(k, v.numel()) for k, v in payload.items()]
                 buf = torch.cat([v.reshape(-1).to(torch.float32) for v in payload.values()])
             else:
@@ -182,6 +190,9 @@ class Phases:
         groups: a group's at the end of the group). ``of`` (asynchronous FL): client ->
         (model version, the scale of its contribution's delta, the round key of its data):
         each trains on its version's payload with that version's round lr."""
+        received = {k[len(STAGE):]: payload.pop(k) for k in list(payload) if k.startswith(STAGE)}
+        for stage in self.stages:
+            stage.receive(received)
         aggregator = self.aggregators[p]
         aggregator.begin(self.sizes(p))
         rows, new_states, aside = [], {}, 0.0

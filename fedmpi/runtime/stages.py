@@ -4,9 +4,11 @@ aggregator, on the worker that trained it, in the order of ``client_stages``.
 A stage may keep per-client state (``state_sizes``: stored, spilled and checkpointed
 with the algorithm's client state), change the upload (``upload``: what the server
 decodes), change the contribution that is summed (``contribute``), add vectors of its own
-to the sums (``sums``: extra summed values, which the server takes out before the
-algorithm's server update) and turn those into round diagnostics on the server
-(``summarize``). A stage that does nothing to a run is not in the list, or is an
+to the sums (``sums``: extra summed values, which the server stages see and the server
+then takes out before the algorithm's server update) and turn those into round
+diagnostics on the server (``summarize``). Values a server stage sends down with the
+payload reach the client stages through ``receive``; what a stage adds to the messages
+it declares (``traffic``) and the ledger counts. A stage that does nothing to a run is not in the list, or is an
 identity: a run without compression, staleness or update statistics folds exactly the
 algorithm's contribution.
 
@@ -30,6 +32,15 @@ class ClientStage:
     def sums(self, p: int, d: int) -> dict[str, int]:
         """Extra vectors this stage adds to phase p's sums, name -> values."""
         return {}
+
+    def receive(self, values: dict) -> None:
+        """Worker, before the round's clients train: the values the server stages sent
+        with the payload this round (``ServerStage.download``), name -> tensor."""
+
+    def traffic(self, p: int) -> tuple[int, int]:
+        """Values this stage adds to one participation's messages in phase p (down, up),
+        which the ledger counts at 4 bytes each."""
+        return 0, 0
 
     def upload(self, upload, state: dict | None, key: tuple[int, int, int]):
         """(the upload as the server will see it, this client's new state values)."""
