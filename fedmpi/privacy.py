@@ -30,6 +30,8 @@ from .errors import UsageError
 # 0.9 s for 500 rounds at q = 0.1, sigma = 1), epsilon the same to 4 digits there; the PLD
 # of a Gaussian is built pessimistically, so any grid gives an upper bound
 PLD_GRID = 1e-3
+PLD_MIN_SIGMA = 0.3   # "auto" takes RDP below this noise multiplier (accountant_of)
+PLD_FLOOR = 0.1       # "pld" is refused below it (check_pld)
 INSTALL = "pip install 'fedmpi[privacy]' (dp-accounting)"
 
 
@@ -74,55 +76,82 @@ def sampling_rate(config) -> float:
     return c.per_round / c.num
 
 
-def accountant_of(config) -> str:
-    """``privacy.accountant`` resolved: "auto" is PLD under Poisson sampling, else RDP."""
+def accountant_of(config, sigma: float | None = None) -> str:
+    """``privacy.accountant`` resolved for noise multiplier ``sigma`` (the config's where
+    None): "auto" is PLD for central DP under Poisson sampling with sigma >= PLD_MIN_SIGMA,
+    else RDP. A PLD's grid spans the privacy loss, which grows as 1/sigma^2: at sigma 0.01
+    one took 8 GB and minutes; below PLD_MIN_SIGMA epsilon is past 10 a round anyway, and
+    RDP (closed form for local DP's unsampled Gaussian or Laplace) answers in milliseconds."""
     kind = config.privacy.accountant
     if kind != "auto":
         return kind
-    return "pld" if config.clients.sampling == "bernoulli" else "rdp"
+    sigma = config.privacy.noise_multiplier if sigma is None else sigma
+    poisson = config.privacy.mechanism != "local" and config.clients.sampling == "bernoulli"
+    return "pld" if poisson and sigma >= PLD_MIN_SIGMA else "rdp"
+
+
+def check_pld(config, sigma: float) -> None:
+    """``privacy.accountant = "pld"`` asked for where its cost explodes: one line."""
+    if config.privacy.accountant == "pld" and 0 < sigma < PLD_FLOOR:
+        raise UsageError(f"config field privacy.accountant: \"pld\" at noise multiplier "
+                         f"{sigma:.3g} (below {PLD_FLOOR:g}) takes minutes and gigabytes a "
+                         f"round; use \"rdp\" or \"auto\"")
+
+
+def _event_key(config) -> tuple:
+    """What a round's event depends on besides sigma (hashable, for the cache)."""
+    if config.privacy.mechanism == "local":
+        return ("local", config.privacy.local_noise)
+    c = config.clients
+    return (c.sampling, c.num, c.per_round)
 
 
 def round_event(config, sigma: float | None = None):
     """One round's DpEvent (``sigma``: the noise multiplier, the config's where None)."""
-    c = config.clients
-    return _event(c.sampling, c.num, c.per_round,
-                  config.privacy.noise_multiplier if sigma is None else sigma)
+    return _event(_event_key(config), config.privacy.noise_multiplier if sigma is None else sigma)
 
 
-def _event(sampling: str, num: int, per_round: int, sigma: float):
+def _event(key: tuple, sigma: float):
+    """Central DP: the Gaussian on the sampled clients' sum. Local DP: one client's noised
+    update, for any two updates it could send (replace-one: they differ by at most 2C,
+    so the multiplier at sensitivity 1 is sigma / 2), not amplified by sampling."""
     dpa = _library()
+    if key[0] == "local":
+        return (dpa.GaussianDpEvent if key[1] == "gaussian" else dpa.LaplaceDpEvent)(sigma / 2)
+    sampling, num, per_round = key
     gaussian = dpa.GaussianDpEvent(sigma)
     if sampling == "bernoulli":
         return dpa.PoissonSampledDpEvent(per_round / num, gaussian)
     return dpa.SampledWithoutReplacementDpEvent(num, per_round, gaussian)
 
 
-def _accountant(kind: str, sampling: str):
-    """A fresh accountant: PLD, or RDP with the neighbouring relation of the sampling."""
+def _accountant(kind: str, key: tuple):
+    """A fresh accountant: PLD, or RDP with the neighbouring relation of the sampling (local
+    DP's events already price replacing an update in)."""
     dpa = _library()
     if kind == "pld":
         return dpa.pld.PLDAccountant(value_discretization_interval=PLD_GRID)
-    relation = dpa.NeighboringRelation.ADD_OR_REMOVE_ONE if sampling == "bernoulli" \
-        else dpa.NeighboringRelation.REPLACE_ONE
+    relation = dpa.NeighboringRelation.REPLACE_ONE if key[0] == "uniform" \
+        else dpa.NeighboringRelation.ADD_OR_REMOVE_ONE
     return dpa.rdp.RdpAccountant(neighboring_relation=relation)
 
 
 def epsilon(config, rounds: int, sigma: float | None = None) -> float:
-    """Epsilon at ``delta_of(config)`` after ``rounds`` rounds; inf without noise."""
+    """Epsilon at ``delta_of(config)`` after ``rounds`` rounds; inf without noise. Local
+    DP: a client's after it took part in ``rounds`` rounds (1: the per-round guarantee)."""
     sigma = config.privacy.noise_multiplier if sigma is None else sigma
     if rounds == 0:
         return 0.0
     if sigma == 0:
         return math.inf
-    c = config.clients
-    return _epsilon(c.sampling, c.num, c.per_round, accountant_of(config), delta_of(config),
-                    rounds, float(sigma))
+    return _epsilon(_event_key(config), accountant_of(config, sigma), delta_of(config), rounds,
+                    float(sigma))
 
 
 @functools.lru_cache(maxsize=4096)
-def _epsilon(sampling, num, per_round, kind, delta, rounds, sigma) -> float:
-    accountant = _accountant(kind, sampling)
-    accountant.compose(_event(sampling, num, per_round, sigma), rounds)
+def _epsilon(key, kind, delta, rounds, sigma) -> float:
+    accountant = _accountant(kind, key)
+    accountant.compose(_event(key, sigma), rounds)
     return float(accountant.get_epsilon(delta))
 
 
@@ -133,26 +162,30 @@ def calibrate(config, target: float) -> float:
     sigma is (checked) an upper end, and PLD's cost grows steeply as sigma falls (a search
     from small sigma took minutes)."""
     dpa = _library()
-    delta, rounds, sampling = delta_of(config), config.rounds, config.clients.sampling
-    kind = accountant_of(config)
+    delta, rounds, key = delta_of(config), config.rounds, _event_key(config)
+    kind = config.privacy.accountant
+    pld = kind == "pld" or accountant_of(config, PLD_MIN_SIGMA) == "pld"
 
     def search(kind, bracket):
         return float(dpa.calibrate_dp_mechanism(
-            lambda: _accountant(kind, sampling),
+            lambda: _accountant(kind, key),
             lambda sigma: dpa.SelfComposedDpEvent(round_event(config, sigma), rounds),
             target, delta, bracket, tol=1e-4 * target))
 
     try:
-        sigma = search("rdp", dpa.LowerEndpointAndGuess(1e-3, 1.0))
-        if kind == "pld":
+        sigma = rdp = search("rdp", dpa.LowerEndpointAndGuess(1e-3, 1.0))
+        check_pld(config, sigma)
+        if pld and sigma >= PLD_FLOOR:
             for _ in range(8):
                 if epsilon(config, rounds, sigma) <= target:
                     break
                 sigma *= 1.5
             low = sigma / 2
-            while low > 1e-3 and epsilon(config, rounds, low) <= target:
+            while low > PLD_FLOOR and epsilon(config, rounds, low) <= target:
                 low /= 2
-            sigma = search("pld", dpa.ExplicitBracketInterval(low, sigma))
+            sigma = search("pld", dpa.ExplicitBracketInterval(max(low, PLD_FLOOR / 2), sigma))
+            if kind == "auto" and sigma < PLD_MIN_SIGMA:   # "auto" accounts with RDP there
+                sigma = rdp
         reached = epsilon(config, rounds, sigma)
     except (ValueError, RuntimeError, OverflowError) as exc:
         reached, sigma = math.nan, " ".join(str(exc).split())
@@ -172,6 +205,9 @@ def describe(config) -> dict:
             "privacy_accountant": f"dp-accounting {accountant_of(config).upper()}"
                                   + (f" (grid {PLD_GRID:g})" if accountant_of(config) == "pld" else ""),
             "privacy_event": type(round_event(config)).__name__,
+            **({"privacy_local_noise": config.privacy.local_noise,
+                "privacy_local_epsilon_per_round": epsilon(config, 1)}
+               if config.privacy.mechanism == "local" else {}),
             **({"privacy_clip_quantile": float(config.privacy.clip_quantile),
                 "privacy_clip_lr": float(config.privacy.clip_lr),
                 "privacy_count_noise": count_std(config) if config.privacy.noise_multiplier else 0.0,
@@ -182,14 +218,19 @@ def describe(config) -> dict:
 def summary(config, target: float | None = None) -> str:
     """``fedmpi privacy``: what a config's rounds spend, or the noise a target needs."""
     c, p = config.clients, config.privacy
-    if c.sampling == "size":
+    if p.mechanism == "local":
+        head = (f"local DP, each client's update clipped to {p.clip:g} and noised with "
+                f"{p.local_noise} noise, {config.rounds} rounds, delta = {delta_of(config):.3g}, "
+                f"dp-accounting {accountant_of(config).upper()}")
+    elif c.sampling == "size":
         raise UsageError("config field clients.sampling: the accounting needs Poisson "
                          "(\"bernoulli\") or fixed-size (\"uniform\") sampling, not \"size\"")
-    how = f"Poisson, q = {sampling_rate(config):g}" if c.sampling == "bernoulli" else \
-        "fixed size, without replacement"
-    head = (f"user-level DP, a Gaussian mechanism on {c.per_round} of {c.num} clients a round "
-            f"({how}), {config.rounds} rounds, delta = {delta_of(config):.3g}, "
-            f"dp-accounting {accountant_of(config).upper()}")
+    else:
+        how = f"Poisson, q = {sampling_rate(config):g}" if c.sampling == "bernoulli" else \
+            "fixed size, without replacement"
+        head = (f"user-level DP, a Gaussian mechanism on {c.per_round} of {c.num} clients a "
+                f"round ({how}), {config.rounds} rounds, delta = {delta_of(config):.3g}, "
+                f"dp-accounting {accountant_of(config).upper()}")
     if target is not None:
         if not target > 0:
             raise UsageError(f"--epsilon {target}: must be > 0")
@@ -200,4 +241,5 @@ def summary(config, target: float | None = None) -> str:
     sigma = p.noise_multiplier
     marks = sorted({max(1, config.rounds // 10), max(1, config.rounds // 2), config.rounds})
     spent = ", ".join(f"{epsilon(config, t, sigma):.4g} after {t}" for t in marks)
-    return f"{head}\nnoise multiplier {sigma:g}, clip {p.clip:g}: epsilon {spent} rounds"
+    who = " (a client in every round)" if p.mechanism == "local" else ""
+    return f"{head}\nnoise multiplier {sigma:g}, clip {p.clip:g}: epsilon{who} {spent} rounds"

@@ -133,7 +133,11 @@ def test_private_runs_are_bitwise_the_same_for_1_and_3_ranks(tmp_path):
     ({"privacy": {**CENTRAL, "noise_multiplier": -1.0}}, "privacy.noise_multiplier: must be >= 0"),
     ({"privacy": {**CENTRAL, "delta": 1.0}}, "privacy.delta: must be in (0, 1)"),
     ({"privacy": {**CENTRAL, "target_epsilon": -4.0}}, "privacy.target_epsilon: must be > 0"),
-    ({"privacy": {**CENTRAL, "mechanism": "local"}}, "privacy.mechanism"),
+    ({"privacy": {**CENTRAL, "mechanism": "secure"}}, "privacy.mechanism"),
+    ({"privacy": {**CENTRAL, "local_noise": "uniform"}}, "privacy.local_noise"),
+    ({"privacy": {**CENTRAL, "noise_multiplier": 0.05, "accountant": "pld"},
+      "clients": {"num": 3000, "per_round": 300, "sampling": "bernoulli"}},
+     "privacy.accountant: \"pld\" at noise multiplier 0.05 (below 0.1) takes minutes"),
     ({"privacy": {**CENTRAL, "accountant": "pld"}}, "privacy.accountant: \"pld\" accounts for "
                                                     "Poisson sampling"),
     ({"privacy": CENTRAL, "algorithm": {"name": "scaffold"}},

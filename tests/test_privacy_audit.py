@@ -136,7 +136,7 @@ def test_an_audited_run_with_adaptive_clipping_is_bitwise_the_same_on_3_ranks(tm
 
 @pytest.mark.parametrize("privacy, clients, message", [
     ({"mechanism": "off", "audit_canaries": 10}, {},
-     "privacy.audit_canaries: audits the private mechanism; needs privacy.mechanism"),
+     "privacy.audit_canaries: needs privacy.mechanism = \"central\""),
     ({"audit_canaries": 1}, {}, "privacy.audit_canaries: must be 0 (no audit) or from 2 to"),
     ({"audit_canaries": -5}, {}, "privacy.audit_canaries: must be 0 (no audit) or from 2 to"),
     ({"audit_canaries": 10 ** 20}, {}, "privacy.audit_canaries"),

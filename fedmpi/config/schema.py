@@ -233,6 +233,9 @@ class PrivacyConfig:
     mechanism: str = "off"             # off | central: DP-FedAvg (McMahan et al. 2018): each
                                        # update clipped to clip, weight 1, Gaussian noise on
                                        # the server's sum, a fixed denominator (per_round)
+                                       # | local: each client clips and noises its own update
+    local_noise: str = "gaussian"      # local: gaussian (L2 clip, (eps, delta)) | laplace
+                                       # (L1 clip, pure eps); std / scale noise_multiplier * clip
     clip: float = 1.0                  # C: each client's update clipped to this L2 norm
     noise_multiplier: float = 0.0      # sigma: noise std sigma C per coordinate of the sum
     target_epsilon: float = 0.0        # > 0: sigma calibrated to this epsilon after `rounds`

@@ -8,7 +8,7 @@ import math
 
 from .coerce import field_error, one_of as _one_of
 from .schema import ExperimentConfig
-from .vocab import PRIVACY_ACCOUNTANTS, PRIVACY_MECHANISMS
+from .vocab import PRIVACY_ACCOUNTANTS, PRIVACY_LOCAL_NOISES, PRIVACY_MECHANISMS
 
 # the canaries are scored after the last round, each direction drawn again: m d numbers
 MAX_CANARIES = 100_000
@@ -22,10 +22,15 @@ def validate_privacy(c: ExperimentConfig) -> None:
     p = c.privacy
     _one_of("privacy.mechanism", p.mechanism, PRIVACY_MECHANISMS)
     _one_of("privacy.accountant", p.accountant, PRIVACY_ACCOUNTANTS)
+    _one_of("privacy.local_noise", p.local_noise, PRIVACY_LOCAL_NOISES)
+    if p.mechanism != "central":
+        for name in ("audit_canaries", "clip_quantile"):   # what only central DP has
+            if getattr(p, name):
+                raise field_error(f"privacy.{name}", f"needs privacy.mechanism = \"central\" "
+                                                     f"(the audit and adaptive clipping act on "
+                                                     f"the server's noised sum), not "
+                                                     f"{p.mechanism!r}")
     if p.mechanism == "off":
-        if p.audit_canaries:
-            raise field_error("privacy.audit_canaries", "audits the private mechanism; needs "
-                                                        "privacy.mechanism = \"central\"")
         return
     if not p.clip > 0 or math.isinf(p.clip):
         raise field_error("privacy.clip", f"must be a finite number > 0 (the L2 norm each "
@@ -38,7 +43,7 @@ def validate_privacy(c: ExperimentConfig) -> None:
     if p.delta and not 0 < p.delta < 1:
         raise field_error("privacy.delta", f"must be in (0, 1) (0: 1 / clients.num^1.1), "
                                            f"got {p.delta}")
-    if p.accountant == "pld" and c.clients.sampling != "bernoulli":
+    if p.accountant == "pld" and c.clients.sampling != "bernoulli" and p.mechanism == "central":
         raise field_error("privacy.accountant", f"\"pld\" accounts for Poisson sampling "
                                                 f"(clients.sampling = \"bernoulli\"); "
                                                 f"{c.clients.sampling!r} sampling needs \"rdp\" "
@@ -68,6 +73,7 @@ def validate_privacy(c: ExperimentConfig) -> None:
         p.noise_multiplier = privacy.calibrate(c, p.target_epsilon)
     else:
         privacy.round_event(c)        # the library is there: a run never fails for it later
+        privacy.check_pld(c, p.noise_multiplier)
     if p.clip_quantile and p.noise_multiplier and \
             not 2 * privacy.count_std(c) > p.noise_multiplier:
         raise field_error("privacy.count_noise", f"adaptive clipping splits the noise multiplier "

@@ -92,7 +92,50 @@ class ServerStage:
         return {}
 
 
-class CentralNoise(ServerStage):
+class Accounting(ServerStage):
+    """``epsilon`` after every round (fedmpi.privacy; local DP: a client's that took part
+    in every round so far) and the mechanism's root attributes."""
+    round_fields = ["epsilon"]
+
+    def __init__(self, config):
+        self.config = config
+
+    def after(self, state, sums, gathered, ctx, p):
+        return {"epsilon": privacy.epsilon(self.config, ctx.round + 1)}
+
+    def describe(self):
+        return privacy.describe(self.config)
+
+
+class LocalNoise(ClientStage):
+    """Local DP, first of the client stages: the client's update clipped to norm C (L2
+    for Gaussian noise, L1 for Laplace) and noised on its worker before anything else sees
+    it: N(0, sigma^2 C^2) per coordinate, or Laplace of scale sigma C, from the stream
+    keyed by (seed, round, client, phase), so the same on any layout. What the server does
+    with noised updates (the method's weights, a codec, the mean) is post-processing."""
+
+    def __init__(self, config):
+        p = config.privacy
+        self.seed, self.clip, self.laplace = config.seed, float(p.clip), p.local_noise == "laplace"
+        self.scale = float(p.noise_multiplier) * self.clip
+
+    def upload(self, upload, state, key):
+        delta = upload.delta
+        norm = torch.linalg.vector_norm(delta, ord=1 if self.laplace else 2)
+        delta = delta * torch.clamp(self.clip / norm, max=1.0)
+        if self.scale:
+            g = torch_generator(self.seed, "dp-local", *key)
+            if self.laplace:   # Laplace(1) = E_1 - E_2, E = -log(1 - U) exponential
+                u = torch.rand(2, delta.numel(), generator=g, dtype=torch.float64)
+                noise = torch.log1p(-u[1]) - torch.log1p(-u[0])
+            else:
+                noise = torch.randn(delta.numel(), generator=g)
+            delta = delta + (noise * self.scale).to(device=delta.device, dtype=delta.dtype)
+        upload.delta = delta
+        return upload, {}
+
+
+class CentralNoise(Accounting):
     """N(0, sigma^2 C^2) on the summed updates, the fixed denominator S, epsilon after.
     With adaptive clipping (Andrew et al. 2021) C is the round's C_t, kept in the server
     state (``dp_clip``, float32: the value the clients receive), the updates' noise
@@ -101,7 +144,8 @@ class CentralNoise(ServerStage):
     C_(t+1) = C_t exp(-eta_C (b - gamma))."""
 
     def __init__(self, config, d: int):
-        self.config, self.d = config, d
+        super().__init__(config)
+        self.d = d
         p = config.privacy
         self.adaptive = bool(p.clip_quantile)
         self.multiplier = privacy.update_noise_multiplier(config)
@@ -143,10 +187,7 @@ class CentralNoise(ServerStage):
             self.row = {"dp_clip": clip, "dp_unclipped": unclipped}
 
     def after(self, state, sums, gathered, ctx, p):
-        return {"epsilon": privacy.epsilon(self.config, ctx.round + 1), **self.row}
-
-    def describe(self):
-        return privacy.describe(self.config)
+        return {**super().after(state, sums, gathered, ctx, p), **self.row}
 
 
 class Canaries(ServerStage):
@@ -207,12 +248,16 @@ class Canaries(ServerStage):
 def client_stages(config) -> list[ClientStage]:
     """The private client stages, first in the order (fedmpi.runtime.stages)."""
     p = config.privacy
+    if p.mechanism == "local":
+        return [LocalNoise(config)]
     return [ClipUpdate(p.clip, bool(p.clip_quantile))] if p.mechanism == "central" else []
 
 
 def server_stages(config, d: int, x0: torch.Tensor) -> list[ServerStage]:
     """The private server stages in order (``x0``: the initial model, for the audit).
     Built on every rank, so a refusal is every rank's; only the server runs them."""
+    if config.privacy.mechanism == "local":
+        return [Accounting(config)]
     if config.privacy.mechanism != "central":
         return []
     canaries = [Canaries(config, d, x0)] if config.privacy.audit_canaries else []
@@ -227,10 +272,13 @@ def refuse(c) -> None:
     name = c.algorithm.name
     if not fedavg_server_side(algorithms.REGISTRY[name]):
         able = sorted(n for n, kind in algorithms.REGISTRY.items() if fedavg_server_side(kind))
-        raise field_error("privacy.mechanism", f"user-level DP clips and noises the mean of "
-                                               f"the client deltas, FedAvg's server side; "
-                                               f"{name!r} has its own; use one of "
-                                               f"{', '.join(able)}")
+        what = "user-level DP clips and noises the mean of the client deltas" \
+            if c.privacy.mechanism == "central" else \
+            "local DP clips and noises each client's delta, all it may upload"
+        raise field_error("privacy.mechanism", f"{what}, FedAvg's server side; {name!r} has its "
+                                               f"own; use one of {', '.join(able)}")
+    if c.privacy.mechanism == "local":   # the rest is post-processing of noised uploads
+        return
     z = c.compression
     if z.up != "none" or z.down != "none":
         raise field_error("compression.up" if z.up != "none" else "compression.down",
