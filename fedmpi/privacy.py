@@ -32,6 +32,7 @@ from .errors import UsageError
 PLD_GRID = 1e-3
 PLD_MIN_SIGMA = 0.3   # "auto" takes RDP below this noise multiplier (accountant_of)
 PLD_FLOOR = 0.1       # "pld" is refused below it (check_pld)
+SAMPLE_DELTA = 1e-5   # sample-level DP's default delta (Opacus's and TF Privacy's examples')
 INSTALL = "pip install 'fedmpi[privacy]' (dp-accounting)"
 
 
@@ -46,9 +47,12 @@ def _library():
 
 
 def delta_of(config) -> float:
-    """The delta epsilon is reported at: ``privacy.delta``, or 1 / N^1.1 where 0."""
+    """The delta epsilon is reported at: ``privacy.delta``, or where 0, 1 / N^1.1 (N
+    clients; sample-level DP: SAMPLE_DELTA, a record's)."""
     p = config.privacy
-    return p.delta if p.delta else 1.0 / config.clients.num ** 1.1
+    if p.delta:
+        return p.delta
+    return SAMPLE_DELTA if p.mechanism == "sample" else 1.0 / config.clients.num ** 1.1
 
 
 def count_std(config) -> float:
@@ -114,8 +118,14 @@ def round_event(config, sigma: float | None = None):
 def _event(key: tuple, sigma: float):
     """Central DP: the Gaussian on the sampled clients' sum. Local DP: one client's noised
     update, for any two updates it could send (replace-one: they differ by at most 2C,
-    so the multiplier at sensitivity 1 is sigma / 2), not amplified by sampling."""
+    so the multiplier at sensitivity 1 is sigma / 2), not amplified by sampling.
+    Sample-level DP-SGD: a client's round, its steps of the Poisson-sampled Gaussian."""
     dpa = _library()
+    if key[0] == "sample":
+        _, rate, steps = key
+        step = dpa.GaussianDpEvent(sigma) if rate >= 1 else \
+            dpa.PoissonSampledDpEvent(rate, dpa.GaussianDpEvent(sigma))
+        return dpa.SelfComposedDpEvent(step, steps)
     if key[0] == "local":
         return (dpa.GaussianDpEvent if key[1] == "gaussian" else dpa.LaplaceDpEvent)(sigma / 2)
     sampling, num, per_round = key
@@ -146,6 +156,25 @@ def epsilon(config, rounds: int, sigma: float | None = None) -> float:
         return math.inf
     return _epsilon(_event_key(config), accountant_of(config, sigma), delta_of(config), rounds,
                     float(sigma))
+
+
+def sample_steps(config, n: int) -> tuple[float, int]:
+    """DP-SGD on a client of n samples: (its Poisson rate q = min(1, B / n), its steps a
+    round E ceil(n / B))."""
+    b = config.train.batch_size
+    return min(1.0, b / n), config.train.local_epochs * -(-n // b)
+
+
+def sample_epsilon(config, n: int, rounds: int) -> float:
+    """Sample-level DP-SGD: epsilon of a client of n samples after it took part in
+    ``rounds`` rounds (inf without noise)."""
+    sigma = float(config.privacy.noise_multiplier)
+    if rounds == 0:
+        return 0.0
+    if sigma == 0:
+        return math.inf
+    return _epsilon(("sample", *sample_steps(config, n)), accountant_of(config, sigma),
+                    delta_of(config), rounds, sigma)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -204,7 +233,9 @@ def describe(config) -> dict:
             "privacy_sampling_rate": sampling_rate(config),
             "privacy_accountant": f"dp-accounting {accountant_of(config).upper()}"
                                   + (f" (grid {PLD_GRID:g})" if accountant_of(config) == "pld" else ""),
-            "privacy_event": type(round_event(config)).__name__,
+            "privacy_event": "SelfComposedDpEvent(PoissonSampledDpEvent) a client's round"
+                             if config.privacy.mechanism == "sample"
+                             else type(round_event(config)).__name__,
             **({"privacy_local_noise": config.privacy.local_noise,
                 "privacy_local_epsilon_per_round": epsilon(config, 1)}
                if config.privacy.mechanism == "local" else {}),
@@ -218,6 +249,10 @@ def describe(config) -> dict:
 def summary(config, target: float | None = None) -> str:
     """``fedmpi privacy``: what a config's rounds spend, or the noise a target needs."""
     c, p = config.clients, config.privacy
+    if p.mechanism == "sample":
+        raise UsageError("config field privacy.mechanism: sample-level DP's epsilon depends on "
+                         "the clients' sizes, which the data give: a run writes it after "
+                         "every round (/rounds/epsilon)")
     if p.mechanism == "local":
         head = (f"local DP, each client's update clipped to {p.clip:g} and noised with "
                 f"{p.local_noise} noise, {config.rounds} rounds, delta = {delta_of(config):.3g}, "

@@ -83,6 +83,11 @@ class ClientData:
     def batches(self, epochs: int, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         raise NotImplementedError
 
+    def poisson_batches(self, steps: int, rate: float) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """``steps`` batches, each sample in each independently with probability ``rate``
+        (sample-level DP-SGD, fedmpi.runtime.dp_sgd)."""
+        raise NotImplementedError
+
     def view_batches(self, epochs: int, batch_size: int
                      ) -> Iterator[tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]]:
         """Self-supervised batches ((view1, view2), y): two random augmentations of each
@@ -147,7 +152,9 @@ class ClientTask:
     server-side labelled set (config ``data.public_size``; FNR-FL), None without one.
     ``autocast``: the dtype each training step's forward and loss run in under autocast
     (``system.precision = "bf16"``), None for full precision; the flat parameters, their
-    gradients and the update stay FP32 either way.
+    gradients and the update stay FP32 either way. ``private``: with sample-level DP-SGD
+    (``privacy.mechanism = "sample"``) the batches and gradient every local SGD step
+    takes instead of its own (``local_sgd.train``).
     """
 
     client: int
@@ -157,6 +164,7 @@ class ClientTask:
     loss_fn: Callable | None = None
     public: ClientData | None = None
     autocast: torch.dtype | None = None
+    private: Any = None       # sample-level DP-SGD's steps (fedmpi.runtime.dp_sgd), or None
 
 
 @dataclass

@@ -185,6 +185,8 @@ def train(task: ClientTask, ctx: RoundContext, correction: Correction | None = N
     """
     flat, module = task.model, task.model.module
     loss_fn = autocast(loss_fn or task.loss_fn or cross_entropy, task)
+    if task.private is not None:   # DP-SGD: Poisson batches, clipped and noised gradients
+        batches, gradient_fn = task.private.batches(task, ctx), task.private.gradient
     gradient_fn = gradient_fn or loss_gradient
     module.train()
     total = torch.zeros((), device=flat.params.device)

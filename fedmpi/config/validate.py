@@ -185,6 +185,9 @@ def group_refusal(c: ExperimentConfig) -> str | None:
     if c.system_model.policy in ASYNC_MODES:
         return (f"system_model.policy {c.system_model.policy!r} trains each client on its own "
                 f"model version; set 1 (one client after another)")
+    if c.privacy.mechanism == "sample":
+        return ("privacy.mechanism \"sample\" (DP-SGD) takes each client's per-sample "
+                "gradients on its own; set 1 (one client after another)")
     if c.train.optimizer != "sgd":
         return (f"train.optimizer {c.train.optimizer!r} has no group form (a client group "
                 f"takes SGD steps, fedmpi.algorithms.group_sgd); set 1 (one client after "

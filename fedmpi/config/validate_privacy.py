@@ -69,7 +69,14 @@ def validate_privacy(c: ExperimentConfig) -> None:
     from ..runtime.dp import refuse   # deferred (above)
     refuse(c)
     from .. import privacy            # deferred (above)
-    if p.target_epsilon:
+    if p.mechanism == "sample":
+        if p.target_epsilon:
+            raise field_error("privacy.target_epsilon", "sample-level DP's epsilon depends on "
+                                                        "the clients' sizes, which the data "
+                                                        "give; set privacy.noise_multiplier")
+        privacy._library()            # the library is there: a run never fails for it later
+        privacy.check_pld(c, p.noise_multiplier)
+    elif p.target_epsilon:
         p.noise_multiplier = privacy.calibrate(c, p.target_epsilon)
     else:
         privacy.round_event(c)        # the library is there: a run never fails for it later

@@ -31,6 +31,6 @@ STALENESS = ("constant", "polynomial")
 AVAILABILITY = ("always", "bernoulli", "markov", "diurnal", "trace")
 
 # [privacy] (fedmpi.runtime.dp, fedmpi.privacy)
-PRIVACY_MECHANISMS = ("off", "central", "local")
+PRIVACY_MECHANISMS = ("off", "central", "local", "sample")
 PRIVACY_LOCAL_NOISES = ("gaussian", "laplace")
 PRIVACY_ACCOUNTANTS = ("auto", "pld", "rdp")

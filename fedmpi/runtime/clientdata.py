@@ -100,6 +100,20 @@ class TensorClientData(ClientData):
         for batch, aug in self._index_batches(epochs, batch_size):
             yield self.data.prepare(self.x[batch], aug, self.skew, self.augment), self.y[batch]
 
+    def poisson_batches(self, steps: int, rate: float):
+        """Sample-level DP-SGD's batches: at each of ``steps`` steps every sample is in
+        the batch independently with probability ``rate`` (Poisson sampling, which the
+        accounting assumes), drawn from the client's own keyed stream; a batch may be
+        empty."""
+        draw = torch_generator(self.seed, "dp-sgd-batch" + self.purpose, *self.key)
+        aug_device = self.data.device if self.data.device.type == "cuda" else "cpu"
+        aug = torch_generator(self.seed, "augment" + self.purpose, *self.key, device=aug_device)
+        for _ in range(steps):
+            idx = self.indices[torch.rand(self.num_samples, generator=draw, dtype=torch.float64) < rate]
+            if self.data.device.type == "cuda":
+                idx = idx.to(self.data.device)
+            yield self.data.prepare(self.x[idx], aug, self.skew, self.augment), self.y[idx]
+
     def view_batches(self, epochs: int, batch_size: int):
         """((view1, view2), y): SimCLR's two augmentations, normalised with the dataset's
         statistics like every other batch. (The FedU^2 code feeds [0, 1] views to a

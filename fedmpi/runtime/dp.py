@@ -32,6 +32,7 @@ import torch
 from .. import algorithms, audit, privacy
 from ..algorithms.base import fedavg_server_side
 from ..config.coerce import field_error
+from .dp_sgd import PrivateSteps
 from .rng import torch_generator
 from .stages import ClientStage
 
@@ -245,6 +246,28 @@ class Canaries(ServerStage):
                                  f"{list(audit.GUESS_FRACTIONS)}, confidence {audit.CONFIDENCE}"}
 
 
+def private_steps(config, key: tuple[int, int, int]):
+    """Sample-level DP-SGD's steps for one client's task (fedmpi.runtime.dp_sgd), or None."""
+    return PrivateSteps(config, key) if config.privacy.mechanism == "sample" else None
+
+
+class SampleAccounting(Accounting):
+    """Sample-level DP-SGD: epsilon of the smallest client (which spends the most) after
+    every round, had it taken part in all of them."""
+
+    def __init__(self, config, smallest: int):
+        super().__init__(config)
+        self.smallest = smallest
+
+    def after(self, state, sums, gathered, ctx, p):
+        return {"epsilon": privacy.sample_epsilon(self.config, self.smallest, ctx.round + 1)}
+
+    def describe(self):
+        rate, steps = privacy.sample_steps(self.config, self.smallest)
+        return {**super().describe(), "privacy_sample_smallest_client": self.smallest,
+                "privacy_sample_rate": rate, "privacy_sample_steps_per_round": steps}
+
+
 def client_stages(config) -> list[ClientStage]:
     """The private client stages, first in the order (fedmpi.runtime.stages)."""
     p = config.privacy
@@ -253,15 +276,23 @@ def client_stages(config) -> list[ClientStage]:
     return [ClipUpdate(p.clip, bool(p.clip_quantile))] if p.mechanism == "central" else []
 
 
-def server_stages(config, d: int, x0: torch.Tensor) -> list[ServerStage]:
+def server_stages(config, d: int, x0: torch.Tensor, sizes=()) -> list[ServerStage]:
     """The private server stages in order (``x0``: the initial model, for the audit).
     Built on every rank, so a refusal is every rank's; only the server runs them."""
     if config.privacy.mechanism == "local":
         return [Accounting(config)]
+    if config.privacy.mechanism == "sample":   # clients without samples take no steps
+        smallest = min((int(n) for n in sizes if n > 0), default=1)
+        return [SampleAccounting(config, smallest)]
     if config.privacy.mechanism != "central":
         return []
     canaries = [Canaries(config, d, x0)] if config.privacy.audit_canaries else []
     return canaries + [CentralNoise(config, d)]
+
+
+# methods whose local update is local_sgd's with the default loss and gradient (their
+# corrections and server sides use only what DP-SGD's steps produce: post-processing)
+SAMPLE_ALGORITHMS = ("fedadam", "fedavg", "fedavgm", "feddyn", "fednova", "fedprox", "scaffold")
 
 
 def refuse(c) -> None:
@@ -270,6 +301,18 @@ def refuse(c) -> None:
     for, as a one-line error naming the field."""
     mechanism = f"privacy.mechanism {c.privacy.mechanism!r}"
     name = c.algorithm.name
+    if c.privacy.mechanism == "sample":
+        if name not in SAMPLE_ALGORITHMS:
+            raise field_error("privacy.mechanism", f"sample-level DP-SGD replaces the local "
+                                                   f"steps' gradient; {name!r} computes its own "
+                                                   f"(a loss or gradient of its own); use one of "
+                                                   f"{', '.join(SAMPLE_ALGORITHMS)}")
+        from .. import models   # deferred: the model registry is only needed here
+        problem = models.group_problem(c.model.name, c.model.options)
+        if problem:
+            raise field_error("model.name", f"privacy.mechanism \"sample\" takes per-sample "
+                                            f"gradients in the client-group form: {problem}")
+        return   # the server's side is post-processing of private updates
     if not fedavg_server_side(algorithms.REGISTRY[name]):
         able = sorted(n for n, kind in algorithms.REGISTRY.items() if fedavg_server_side(kind))
         what = "user-level DP clips and noises the mean of the client deltas" \

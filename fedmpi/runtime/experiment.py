@@ -49,7 +49,7 @@ from .records import (CLIENT_FIELDS, RANK_FIELDS, ROUND_FIELDS, Timers, Traffic,
 from .rng import key_seed, seed_global
 from .runfile import create_file, resume_file
 from .scoring import evaluator
-from .dp import server_stages
+from .dp import private_steps, server_stages
 from .stages import client_stages
 from .state import ClientStateStore
 from .system import kernels_warning, numerics
@@ -99,7 +99,8 @@ class Experiment:
                              context=partial(round_context, cfg), make_task=self.task,
                              deterministic=cfg.system.deterministic, group=self.group,
                              codecs=self.codecs, stages=client_stages(cfg, self.codecs),
-                             server_stages=server_stages(cfg, self.d, self.flat.params))
+                             server_stages=server_stages(cfg, self.d, self.flat.params,
+                                                         self.sizes))
         measured = measure_step_time(self, partial(round_context, cfg)) \
             if cfg.system_model.profiles != "off" and cfg.system_model.measure_step_time \
             and not self.resume else None   # a resume: the file's
@@ -135,7 +136,8 @@ class Experiment:
         public = self.data.client(self.public, cfg.seed, t, c, p, split=cfg.data.public_from,
                                   stream="public") if len(self.public) else None
         task = algorithms.ClientTask(client=c, data=data, model=self.flat, device=self.device,
-                                     public=public, autocast=self.autocast)
+                                     public=public, autocast=self.autocast,
+                                     private=private_steps(cfg, (t, c, p)))
         seed_global(key_seed(cfg.seed, "client", t, c, p), self.device)  # dropout
         return task
 

@@ -358,7 +358,9 @@ def round_context(config, t, phase, participants) -> algorithms.RoundContext:
     return algorithms.RoundContext(
         round=t, phase=phase, lr=lr, lr_prev=schedule.previous_lr(tr, t, config.rounds, lr),
         global_lr=tr.global_lr,
-        weight_decay=tr.weight_decay, grad_clip=tr.grad_clip, local_epochs=tr.local_epochs,
+        weight_decay=tr.weight_decay, local_epochs=tr.local_epochs,
+        # DP-SGD clips each sample's gradient; the noised step is not clipped again
+        grad_clip=0.0 if config.privacy.mechanism == "sample" else tr.grad_clip,
         batch_size=tr.batch_size, num_clients=config.clients.num,
         participants=tuple(int(c) for c in participants), seed=config.seed,
         momentum=tr.momentum, nesterov=tr.nesterov, local_schedule=tr.local_schedule,
