@@ -96,10 +96,25 @@ def test_a_resume_continues_the_clip_from_the_checkpoint(tmp_path):
         assert len(set(a.rounds()["dp_clip"][1:])) == 5   # it moved
 
 
+def test_a_count_noise_that_swamps_the_count_cannot_overflow_the_clip(tmp_path):
+    """sigma_b = 1e6 against 4 clients: the noisy fraction is read as one in [0, 1] (post-
+    processing), so C moves by at most exp(eta_C) a round and stays finite and positive."""
+    with run(tmp_path, "run", clip=1.0, noise_multiplier=1.0, count_noise=1e6,
+             clip_lr=10.0) as r:
+        rounds = r.rounds()
+        assert np.isfinite(r.model()).all()
+    clips = rounds["dp_clip"][1:]
+    assert np.all((clips >= 1e-30) & (clips <= 1e30))
+    steps = clips[1:] / clips[:-1]
+    assert np.all((steps >= math.exp(-10 * 0.5) * (1 - 1e-6)) & (steps <= math.exp(10 * 0.5) * (1 + 1e-6)))
+    assert np.abs(rounds["dp_unclipped"][1:]).max() > 1e3    # the raw noisy fraction, recorded
+
+
 @pytest.mark.parametrize("over, message", [
     ({"clip_quantile": 1.0}, "privacy.clip_quantile: must be in (0, 1)"),
     ({"clip_quantile": -0.5}, "privacy.clip_quantile: must be in (0, 1)"),
-    ({"clip_lr": -1.0}, "privacy.clip_lr: must be a finite number >= 0"),
+    ({"clip_lr": -1.0}, "privacy.clip_lr: must be in [0, 10]"),
+    ({"clip_lr": 1e300}, "privacy.clip_lr: must be in [0, 10]"),
     ({"clip_lr": math.inf}, "privacy.clip_lr: must be a finite number"),
     ({"count_noise": -1.0}, "privacy.count_noise: must be a finite number >= 0"),
     ({"noise_multiplier": 1.0, "count_noise": 0.4},

@@ -12,6 +12,7 @@ from .vocab import PRIVACY_ACCOUNTANTS, PRIVACY_LOCAL_NOISES, PRIVACY_MECHANISMS
 
 # the canaries are scored after the last round, each direction drawn again: m d numbers
 MAX_CANARIES = 100_000
+MAX_CLIP_LR = 10.0   # adaptive clipping's eta_C: C moves by at most e^10 a round
 
 # deferred imports: fedmpi.privacy loads dp-accounting (an optional extra) and
 # fedmpi.runtime imports this package (a cycle at load time); only a private config
@@ -52,8 +53,10 @@ def validate_privacy(c: ExperimentConfig) -> None:
         raise field_error("privacy.clip_quantile", f"must be in (0, 1) (adaptive clipping's "
                                                    f"target quantile; 0: a fixed clip), got "
                                                    f"{p.clip_quantile}")
-    if not 0 <= p.clip_lr < math.inf:
-        raise field_error("privacy.clip_lr", f"must be a finite number >= 0, got {p.clip_lr}")
+    if not 0 <= p.clip_lr <= MAX_CLIP_LR:
+        raise field_error("privacy.clip_lr", f"must be in [0, {MAX_CLIP_LR:g}] (the clip moves "
+                                             f"by at most exp(clip_lr) a round; the paper's "
+                                             f"is 0.2), got {p.clip_lr}")
     if not 0 <= p.count_noise < math.inf:
         raise field_error("privacy.count_noise", f"must be a finite number >= 0 (0: "
                                                  f"clients.per_round / 20), got {p.count_noise}")

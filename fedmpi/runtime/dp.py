@@ -136,6 +136,9 @@ class LocalNoise(ClientStage):
         return upload, {}
 
 
+CLIP_RANGE = (1e-30, 1e30)   # adaptive clipping's C stays in it (float32's range)
+
+
 class CentralNoise(Accounting):
     """N(0, sigma^2 C^2) on the summed updates, the fixed denominator S, epsilon after.
     With adaptive clipping (Andrew et al. 2021) C is the round's C_t, kept in the server
@@ -183,8 +186,11 @@ class CentralNoise(Accounting):
                 below += float(torch.randn(1, generator=g, dtype=torch.float64)) * self.count_std
             unclipped = below / self.denominator + 0.5
             q = self.config.privacy
-            state["dp_clip"] = torch.tensor(
-                [clip * math.exp(-q.clip_lr * (unclipped - q.clip_quantile))], dtype=torch.float32)
+            # the fraction read as one (post-processing: a count's noise can push it past
+            # [0, 1]), and C kept where float32 holds it: the exponent is at most eta_C
+            step = math.exp(-q.clip_lr * (min(max(unclipped, 0.0), 1.0) - q.clip_quantile))
+            state["dp_clip"] = torch.tensor([min(max(clip * step, CLIP_RANGE[0]), CLIP_RANGE[1])],
+                                            dtype=torch.float32)
             self.row = {"dp_clip": clip, "dp_unclipped": unclipped}
 
     def after(self, state, sums, gathered, ctx, p):

@@ -58,8 +58,8 @@ class PrivateSteps:
             losses, rows = model.gradient(count, x.unsqueeze(1), y.unsqueeze(1), None,
                                           task.autocast)
             norms = torch.linalg.vector_norm(rows, dim=1, keepdim=True)
-            factors = torch.clamp(self.clip / (norms + CLIP_EPS), max=1.0)
-            torch.sum(rows * factors, dim=0, out=grads)
+            rows.mul_(torch.clamp(self.clip / (norms + CLIP_EPS), max=1.0))   # in the buffer
+            torch.sum(rows, dim=0, out=grads)
             loss = losses.mean()
         else:
             grads.zero_()
