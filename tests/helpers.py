@@ -9,6 +9,7 @@ all deterministic."""
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 from fedmpi.config import to_toml
@@ -57,6 +58,35 @@ def write_config(path: Path, base=TINY, **sections) -> Path:
     """TINY with some sections/keys replaced, written as TOML."""
     path.write_text(to_toml(merged(base, **sections)))
     return path
+
+
+def run_file(tmp_path: Path, name: str, values: dict):
+    """Run ``values`` in this process into ``tmp_path / name.h5``; its RunFile, open."""
+    from fedmpi import config
+    from fedmpi.comm import LocalComm
+    from fedmpi.results import RunFile
+    from fedmpi.runtime import run_experiment
+
+    path = tmp_path / f"{name}.h5"
+    run_experiment(config.from_dict({**values, "output": str(path)}), LocalComm(), quiet=True)
+    return RunFile(path)
+
+
+def assert_same_on_3_ranks(tmp_path: Path, values: dict, columns=()) -> None:
+    """``values`` under ``mpirun -n 3`` and in this process: the final models and these
+    /rounds columns bit for bit the same."""
+    import numpy as np
+
+    from conftest import mpirun
+    from fedmpi.results import RunFile
+
+    config = write_config(tmp_path / "n3.toml", values)
+    mpirun(3, [sys.executable, "-m", "fedmpi", "run", "-q", str(config), "-o",
+               str(tmp_path / "n3.h5")])
+    with run_file(tmp_path, "one", values) as a, RunFile(tmp_path / "n3.h5") as b:
+        assert np.array_equal(a.model(), b.model())
+        for name in columns:
+            assert np.array_equal(a.rounds()[name], b.rounds()[name], equal_nan=True), name
 
 
 def run_and_resume(values: dict, tmp_path: Path):

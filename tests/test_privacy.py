@@ -13,15 +13,13 @@ import torch
 
 from fedmpi import config as cfg
 from fedmpi import privacy
-from fedmpi.comm import LocalComm
 from fedmpi.errors import UsageError
 from fedmpi.results import RunFile
-from fedmpi.runtime import run_experiment
 from fedmpi.runtime.dp import ClipUpdate
 from fedmpi.algorithms.base import Upload
 
 from conftest import fedmpi, mpirun, needs_mpi
-from helpers import TINY, merged, run_and_resume, write_config
+from helpers import TINY, merged, run_and_resume, run_file, write_config
 
 # 12 clients of exactly 32 samples (a power of two: n_i Delta_i and Delta_i sum to the
 # same bits up to that factor), 4 a round drawn uniformly (the count is S every round)
@@ -35,10 +33,7 @@ def values(**privacy_section):
     return merged(BASE, **EQUAL, privacy={**CENTRAL, **privacy_section})
 
 
-def run(tmp_path, name, values_):
-    path = tmp_path / f"{name}.h5"
-    run_experiment(cfg.from_dict({**values_, "output": str(path)}), LocalComm(), quiet=True)
-    return RunFile(path)
+run = run_file   # (tmp_path, name, values) -> the finished run's file, open
 
 
 def test_the_clip_scales_an_update_to_the_bound_and_weighs_it_once():

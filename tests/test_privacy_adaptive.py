@@ -17,7 +17,7 @@ from fedmpi.errors import UsageError
 from fedmpi.results import RunFile
 from fedmpi.runtime import run_experiment
 
-from helpers import TINY, merged
+from helpers import TINY, merged, run_file
 
 # 12 clients, 4 a round drawn uniformly: S = 4 every round, so without noise the unclipped
 # fraction is the count of unclipped clients / 4 exactly
@@ -29,10 +29,7 @@ ADAPTIVE = {"mechanism": "central", "clip": 1.0, "noise_multiplier": 0.0,
 
 
 def run(tmp_path, name, **privacy_section):
-    path = tmp_path / f"{name}.h5"
-    values = merged(BASE, privacy={**ADAPTIVE, **privacy_section}, output=str(path))
-    run_experiment(cfg.from_dict(values), LocalComm(), quiet=True)
-    return RunFile(path)
+    return run_file(tmp_path, name, merged(BASE, privacy={**ADAPTIVE, **privacy_section}))
 
 
 @pytest.mark.parametrize("clip, unclipped", [(1e6, 1.0), (1e-6, 0.0)])

@@ -6,7 +6,6 @@ client's rounds; what the server does after it (codecs, sampling by size) is all
 
 import math
 import re
-import sys
 
 import dp_accounting as dpa
 import numpy as np
@@ -16,14 +15,11 @@ import torch
 from fedmpi import config as cfg
 from fedmpi import privacy
 from fedmpi.algorithms.base import Upload
-from fedmpi.comm import LocalComm
 from fedmpi.errors import UsageError
-from fedmpi.results import RunFile
-from fedmpi.runtime import run_experiment
 from fedmpi.runtime.dp import LocalNoise
 
-from conftest import fedmpi, mpirun, needs_mpi
-from helpers import TINY, merged, write_config
+from conftest import fedmpi, needs_mpi
+from helpers import TINY, assert_same_on_3_ranks, merged, run_file
 
 BASE = merged({**TINY, "partition": {"kind": "iid"}}, rounds=2,
               data={**TINY["data"], "num_train": 384}, clients={"num": 12, "per_round": 4},
@@ -31,10 +27,7 @@ BASE = merged({**TINY, "partition": {"kind": "iid"}}, rounds=2,
 LOCAL = {"mechanism": "local", "clip": 1.0, "noise_multiplier": 1.0}
 
 
-def run(tmp_path, name, values):
-    path = tmp_path / f"{name}.h5"
-    run_experiment(cfg.from_dict({**values, "output": str(path)}), LocalComm(), quiet=True)
-    return RunFile(path)
+run = run_file   # (tmp_path, name, values) -> the finished run's file, open
 
 
 def test_no_noise_and_a_clip_that_never_binds_is_fedavg_bit_for_bit(tmp_path):
@@ -121,13 +114,7 @@ def test_auto_accounts_with_rdp_where_a_pld_would_explode():
 @pytest.mark.slow
 @needs_mpi
 def test_local_runs_are_bitwise_the_same_for_1_and_3_ranks(tmp_path):
-    values = merged(BASE, privacy={**LOCAL, "local_noise": "laplace"})
-    config = write_config(tmp_path / "local.toml", values)
-    mpirun(3, [sys.executable, "-m", "fedmpi", "run", "-q", str(config), "-o",
-               str(tmp_path / "n3.h5")])
-    with run(tmp_path, "one", values) as a, RunFile(tmp_path / "n3.h5") as b:
-        assert np.array_equal(a.model(), b.model())
-        assert np.array_equal(a.rounds()["epsilon"], b.rounds()["epsilon"], equal_nan=True)
+    assert_same_on_3_ranks(tmp_path, merged(BASE, privacy={**LOCAL, "local_noise": "laplace"}), ["epsilon"])
 
 
 @pytest.mark.parametrize("over, message", [

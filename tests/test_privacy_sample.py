@@ -5,7 +5,6 @@ dp-accounting for the smallest client, 1 and 3 ranks bit for bit, and the refusa
 
 import math
 import re
-import sys
 
 import dp_accounting as dpa
 import numpy as np
@@ -15,15 +14,12 @@ import torch.nn.functional as F
 
 from fedmpi import config as cfg
 from fedmpi.algorithms.base import ClientTask
-from fedmpi.comm import LocalComm
 from fedmpi.errors import UsageError
-from fedmpi.results import RunFile
-from fedmpi.runtime import run_experiment
 from fedmpi.runtime.dp_sgd import PrivateSteps
 from fedmpi.runtime.rng import torch_generator
 
-from conftest import fedmpi, mpirun, needs_mpi
-from helpers import TINY, merged, write_config
+from conftest import fedmpi, needs_mpi
+from helpers import TINY, assert_same_on_3_ranks, merged, run_file
 
 # 4 clients of 96 samples, all every round (cross-silo)
 BASE = merged({**TINY, "partition": {"kind": "iid"}}, rounds=2,
@@ -32,10 +28,7 @@ BASE = merged({**TINY, "partition": {"kind": "iid"}}, rounds=2,
 SAMPLE = {"mechanism": "sample", "clip": 1.0, "noise_multiplier": 1.0}
 
 
-def run(tmp_path, name, values):
-    path = tmp_path / f"{name}.h5"
-    run_experiment(cfg.from_dict({**values, "output": str(path)}), LocalComm(), quiet=True)
-    return RunFile(path)
+run = run_file   # (tmp_path, name, values) -> the finished run's file, open
 
 
 def _task(module):
@@ -119,13 +112,7 @@ def test_the_noise_has_std_sigma_clip_over_qn(tmp_path):
 @pytest.mark.slow
 @needs_mpi
 def test_dp_sgd_runs_are_bitwise_the_same_for_1_and_3_ranks(tmp_path):
-    values = merged(BASE, privacy=SAMPLE)
-    config = write_config(tmp_path / "dpsgd.toml", values)
-    mpirun(3, [sys.executable, "-m", "fedmpi", "run", "-q", str(config), "-o",
-               str(tmp_path / "n3.h5")])
-    with run(tmp_path, "one", values) as a, RunFile(tmp_path / "n3.h5") as b:
-        assert np.array_equal(a.model(), b.model())
-        assert np.array_equal(a.rounds()["epsilon"], b.rounds()["epsilon"], equal_nan=True)
+    assert_same_on_3_ranks(tmp_path, merged(BASE, privacy=SAMPLE), ["epsilon"])
 
 
 @pytest.mark.parametrize("over, message", [
