@@ -16,6 +16,13 @@ clipped updates (sensitivity C, noise std sigma C), so its event is
 
 The rounds compose: t rounds are ``SelfComposedDpEvent(event, t)``, and epsilon(t) is a
 pure function of (event, t, delta): a resumed run's column continues exactly.
+
+Local DP (``privacy.mechanism = "local"``): one client's round is a Gaussian (or Laplace)
+mechanism of multiplier sigma / 2 (any two updates differ by at most 2C), unamplified;
+epsilon(t) is a client's that took part in t rounds. Sample-level DP-SGD (``"sample"``):
+a client's round is E ceil(n / B) Poisson-sampled Gaussian steps at q = min(1, B / n)
+(``sample_epsilon``). Both take RDP under "auto" (closed form there), as does central DP
+with a noise multiplier below PLD_MIN_SIGMA, where a PLD's grid explodes.
 """
 
 from __future__ import annotations

@@ -1,10 +1,14 @@
-"""User-level central differential privacy: DP-FedAvg (McMahan et al., "Learning
-Differentially Private Recurrent Language Models", ICLR 2018) as two pipeline stages.
+"""Differential privacy as stages of the update pipeline (accounting in fedmpi.privacy).
+
+User-level central DP, DP-FedAvg (McMahan et al., "Learning Differentially Private
+Recurrent Language Models", ICLR 2018), ``privacy.mechanism = "central"``:
 
 - ``ClipUpdate``, a client stage, first of all (before any codec): the client's update
   Delta_i scaled to L2 norm at most C (``privacy.clip``), and its contribution made
   (Delta_i, weight 1). The method's own weight n_i would make the sensitivity grow with
-  the client's data: the clip bounds Delta_i, not n_i Delta_i.
+  the client's data: the clip bounds Delta_i, not n_i Delta_i. With adaptive clipping
+  (``privacy.clip_quantile``; Andrew et al. 2021) C is the round's, sent down by the
+  server, and each client adds whether it was clipped to a summed count.
 - ``Canaries`` (``privacy.audit_canaries = m``), a server stage before the noise: the
   one-run audit's m canary clients (fedmpi.audit), each included with probability 1/2,
   present in a round with the clients' probability q, each sending +-C on a coordinate
@@ -17,7 +21,13 @@ Differentially Private Recurrent Language Models", ICLR 2018) as two pipeline st
   fixed S = ``clients.per_round`` (the expected count q N under Bernoulli sampling, the
   count itself under uniform sampling), never the realised count. FedAvg's update then
   gives x <- x + eta_g (sum_i clip(Delta_i) + noise) / S. After the update it reports
-  ``epsilon`` (fedmpi.privacy) for the rounds so far.
+  ``epsilon`` for the rounds so far; with adaptive clipping it noises the count and
+  moves C.
+
+Local DP (``"local"``): ``LocalNoise``, a client stage first of all, clips and noises each
+update on its worker; ``Accounting`` reports a client's epsilon. Sample-level DP-SGD
+(``"sample"``): every local step's gradient (fedmpi.runtime.dp_sgd, through
+``private_steps``), and ``SampleAccounting`` for the smallest client.
 
 What the accounting assumes is refused where a config breaks it (``refuse``).
 """
@@ -202,9 +212,8 @@ class Canaries(ServerStage):
     of the population, on the server, adding their updates to the round's sum before the
     noise (so the whole mechanism, noise and fixed denominator, acts on them as on a
     client). Canary j's update is a Dirac update of norm C (the round's), +-C on its own
-    coordinate k_j
-    (the paper's white-box canaries: distinct coordinates, so canaries never interfere,
-    and adding or scoring one costs O(1)). They send and receive nothing: the ledger
+    coordinate k_j (the paper's white-box canaries: distinct coordinates, so canaries
+    never interfere, and adding or scoring one costs O(1)). They send and receive nothing: the ledger
     counts the real clients only. Membership, presence, coordinates and signs come from
     keyed streams, so a resume and any rank count give the same canaries; x_0 is the
     initial model, which every start builds the same."""
