@@ -55,8 +55,9 @@ def main() -> None:
           f"after another; seconds per local step")
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.models:
-            plain = seconds_per_step(workload(model, args.clients, False), Path(tmp) / "a.h5")
-            dp = seconds_per_step(workload(model, args.clients, True), Path(tmp) / "b.h5")
+            plain = seconds_per_step(workload(model, args.clients, False),
+                                     Path(tmp) / f"{model}-plain.h5")
+            dp = seconds_per_step(workload(model, args.clients, True), Path(tmp) / f"{model}-dp.h5")
             print(f"  {model:4s}  plain {1e3 * plain:7.2f} ms   DP-SGD {1e3 * dp:7.2f} ms   "
                   f"ratio {dp / plain:.2f}", flush=True)
 
