@@ -234,14 +234,18 @@ class PrivacyConfig:
                                        # update clipped to clip, weight 1, Gaussian noise on
                                        # the server's sum, a fixed denominator (per_round)
                                        # | local: each client clips and noises its own update
+                                       # | sample: DP-SGD in every local step (per-sample clip)
     local_noise: str = "gaussian"      # local: gaussian (L2 clip, (eps, delta)) | laplace
                                        # (L1 clip, pure eps); std / scale noise_multiplier * clip
-    clip: float = 1.0                  # C: each client's update clipped to this L2 norm
+    clip: float = 1.0                  # C: each client's update (central, local; L1 under
+                                       # Laplace) or each sample's gradient (sample) clipped
+                                       # to this norm
     noise_multiplier: float = 0.0      # sigma: noise std sigma C per coordinate of the sum
     target_epsilon: float = 0.0        # > 0: sigma calibrated to this epsilon after `rounds`
                                        # (replaces noise_multiplier; the file records it)
     delta: float = 0.0                 # the delta epsilon is reported at; 0: 1 / clients.num^1.1
-    accountant: str = "auto"           # auto (pld under bernoulli sampling, else rdp) | pld | rdp
+    accountant: str = "auto"           # auto (pld for central DP under bernoulli sampling with
+                                       # noise_multiplier >= 0.3, else rdp) | pld | rdp
     clip_quantile: float = 0.0         # gamma in (0, 1): adaptive clipping (Andrew et al. 2021):
                                        # clip follows this quantile of the update norms from
                                        # a noisy count; 0: the clip stays `clip`

@@ -10,7 +10,8 @@ from .coerce import field_error, one_of as _one_of
 from .schema import ExperimentConfig
 from .vocab import PRIVACY_ACCOUNTANTS, PRIVACY_LOCAL_NOISES, PRIVACY_MECHANISMS
 
-# the canaries are scored after the last round, each direction drawn again: m d numbers
+# the canaries: a coordinate, a sign and a membership each, scored once after the last
+# round; at most one a model parameter (checked where the model is built)
 MAX_CANARIES = 100_000
 MAX_CLIP_LR = 10.0   # adaptive clipping's eta_C: C moves by at most e^10 a round
 
