@@ -204,6 +204,7 @@ def run_single(path, name, **algorithm):
 @pytest.mark.parametrize("backbone, baseline, extra", [
     ("byol", "fedbyol", {}), ("simclr", "fedsimclr", {"temperature": 0.2}),
     ("simsiam", "fedsimsiam", {})])
+@pytest.mark.slow
 def test_without_fur_and_eua_it_is_the_backbone_bitwise(tmp_path, backbone, baseline, extra):
     _, base = run_single(tmp_path / "base.h5", baseline, **extra)
     _, plain = run_single(tmp_path / "plain.h5", "fedu2", backbone=backbone, fur="none",

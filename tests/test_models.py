@@ -240,6 +240,7 @@ def test_bad_options_raise_a_one_line_usage_error_naming_the_field(name, options
     assert message.startswith(field + " ") and "\n" not in message
 
 
+@pytest.mark.slow
 def test_a_bad_cnn_padding_is_one_line_naming_the_allowed_values():
     """`--set model.padding=full`: exit 2, one line naming the field and both values;
     nothing else on stderr."""

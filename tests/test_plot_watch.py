@@ -71,6 +71,7 @@ def test_plot_lines_labels_and_group_bands(runs_dir):
     assert fa.plot.default_title(runs) == "cifar10, cnn"
 
 
+@pytest.mark.slow
 def test_plot_bad_input_is_one_line_and_exit_2(runs_dir, tmp_path):
     for args, says in ((["plot", runs_dir], "needs -o FILE"),
                        (["plot", runs_dir, "-o", tmp_path / "a.png", "--x", "speed"], "--x 'speed'"),

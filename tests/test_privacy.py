@@ -103,6 +103,7 @@ def test_poisson_accounting_is_the_pld_of_dp_accounting_called_directly():
     assert privacy.epsilon(c, 10) == accountant.get_epsilon(1e-5)
 
 
+@pytest.mark.slow
 def test_a_target_epsilon_is_resolved_into_the_noise_that_reaches_it():
     c = cfg.from_dict(values(target_epsilon=4.0, noise_multiplier=0.0) | {"rounds": 20})
     sigma = c.privacy.noise_multiplier
@@ -169,6 +170,7 @@ def test_a_refusal_is_one_line_exit_2_and_no_file(tmp_path):
         "update is clipped to), got -1.0"]
 
 
+@pytest.mark.slow
 def test_the_privacy_command_says_what_a_config_spends_and_what_a_target_needs(tmp_path):
     over = ["--set", "clients.num=3000", "--set", "clients.per_round=300", "--set",
             "clients.sampling=\"bernoulli\"", "--set", "rounds=100", "--set",

@@ -99,6 +99,7 @@ def test_without_noise_the_audit_finds_the_canaries_and_with_noise_stays_below_e
     assert "audit ε: the one-run audit's lower bound on epsilon (95% confidence)" in text
 
 
+@pytest.mark.slow
 def test_a_resumed_audit_is_the_uninterrupted_one(tmp_path):
     ref = audited(tmp_path, "ref", 1.0)
     crashed = tmp_path / "crashed.h5"

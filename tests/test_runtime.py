@@ -144,6 +144,7 @@ def test_existing_file_is_refused_without_force(tmp_path):
     assert c.output_path().read_bytes() == before
 
 
+@pytest.mark.slow
 def test_resnet18_gn_on_the_cifar_pickle_fixture_with_augmentation(tmp_path):
     from conftest import ROOT
 

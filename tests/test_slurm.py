@@ -98,6 +98,7 @@ def test_templates_share_one_job_block_and_parse():
 
 
 @needs_mpi
+@pytest.mark.slow
 def test_templates_refuse_numbers_in_the_environment_that_are_not_numbers(tmp_path):
     """Bash arithmetic read FEDMPI_CELL_OFFSET=1,000 and =abc as 0 and =01000 as octal 512:
     the task silently ran another cell. FEDMPI_WORKERS_PER_NODE=abc (or 0, or

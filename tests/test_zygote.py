@@ -72,6 +72,7 @@ def test_the_child_gets_the_commands_argv_cwd_path_environment_and_no_stdin(prob
     assert atexit_line == "atexit ran"
 
 
+@pytest.mark.slow
 def test_endings_are_those_of_a_fresh_interpreter(probe):
     cases = [("exit", "3"), ("exit", "0"), ("raise",), ("signal", "15"), ("signal", "2"),
              ("message",)]
@@ -108,6 +109,7 @@ def test_a_start_up_variable_gets_a_fresh_interpreter(probe):
     assert _zygote().alive()
 
 
+@pytest.mark.slow
 def test_a_forked_run_writes_the_bits_a_fresh_one_writes(tmp_path):
     config = write_config(tmp_path / "c.toml", rounds=2)
     outputs = {}
