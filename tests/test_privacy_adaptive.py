@@ -12,12 +12,10 @@ import pytest
 
 from fedmpi import config as cfg
 from fedmpi import privacy
-from fedmpi.comm import LocalComm
 from fedmpi.errors import UsageError
 from fedmpi.results import RunFile
-from fedmpi.runtime import run_experiment
 
-from helpers import TINY, merged, run_file
+from helpers import TINY, merged, run_and_resume, run_file
 
 # 12 clients, 4 a round drawn uniformly: S = 4 every round, so without noise the unclipped
 # fraction is the count of unclipped clients / 4 exactly
@@ -76,16 +74,11 @@ def test_a_resume_continues_the_clip_from_the_checkpoint(tmp_path):
     values = merged(BASE, rounds=5, system={**BASE["system"], "checkpoint_every": 2},
                     privacy={**ADAPTIVE, "clip": 0.05, "noise_multiplier": 0.5,
                              "count_noise": 1.0})
-    ref, crashed = tmp_path / "ref.h5", tmp_path / "crashed.h5"
-    run_experiment(cfg.from_dict({**values, "output": str(ref)}), LocalComm(), quiet=True)
-    crashed.write_bytes(ref.read_bytes())
-    with h5py.File(crashed, "r+") as f:
-        f.attrs["status"] = "running"
-        del f["model/final"]
+    crashed, _ = run_and_resume(values, tmp_path)   # from the checkpoint after round 4
+    ref = tmp_path / "ref.h5"
+    with h5py.File(ref, "r") as f:
         assert f["checkpoint"].attrs["round"] == 4
         assert "dp_clip" in f["checkpoint/slot0/server"] or "dp_clip" in f["checkpoint/slot1/server"]
-    run_experiment(cfg.from_dict({**values, "output": str(crashed)}), LocalComm(), quiet=True,
-                   resume=True)
     with RunFile(ref) as a, RunFile(crashed) as b:
         assert np.array_equal(a.model(), b.model())
         for name in ("dp_clip", "dp_unclipped", "epsilon"):
