@@ -89,7 +89,7 @@ def sampling_rate(config) -> float:
 
 def accountant_of(config, sigma: float | None = None) -> str:
     """``privacy.accountant`` resolved for noise multiplier ``sigma`` (the config's where
-    None): "auto" is PLD for central DP under Poisson sampling with sigma >= PLD_MIN_SIGMA,
+    None): "auto" is PLD for central DP (and `fedmpi privacy` on a config without a mechanism) under Poisson sampling with sigma >= PLD_MIN_SIGMA,
     else RDP. A PLD's grid spans the privacy loss, which grows as 1/sigma^2: at sigma 0.01
     one took 8 GB and minutes; below PLD_MIN_SIGMA epsilon is past 10 a round anyway, and
     RDP (closed form for local DP's unsampled Gaussian or Laplace) answers in milliseconds."""
@@ -97,7 +97,8 @@ def accountant_of(config, sigma: float | None = None) -> str:
     if kind != "auto":
         return kind
     sigma = config.privacy.noise_multiplier if sigma is None else sigma
-    poisson = config.privacy.mechanism != "local" and config.clients.sampling == "bernoulli"
+    poisson = config.privacy.mechanism not in ("local", "sample") \
+        and config.clients.sampling == "bernoulli"
     return "pld" if poisson and sigma >= PLD_MIN_SIGMA else "rdp"
 
 
@@ -191,21 +192,25 @@ def _epsilon(key, kind, delta, rounds, sigma) -> float:
     return float(accountant.get_epsilon(delta))
 
 
-def calibrate(config, target: float) -> float:
+def calibrate(config, target: float, key: tuple | None = None) -> float:
     """The smallest noise multiplier whose epsilon after ``config.rounds`` rounds is at most
-    ``target`` (dp-accounting's calibration, to a relative tolerance of 1e-4). Under PLD
-    the search is bracketed by RDP's answer first: RDP's bound is the looser one, so its
-    sigma is (checked) an upper end, and PLD's cost grows steeply as sigma falls (a search
-    from small sigma took minutes)."""
+    ``target`` (dp-accounting's calibration, to a relative tolerance of 1e-4), for the
+    round event of ``key`` (the config's where None; ``sample_calibrate``: a DP-SGD
+    client's). Under PLD the search is bracketed by RDP's answer first: RDP's bound is the
+    looser one, so its sigma is (checked) an upper end, and PLD's cost grows steeply as
+    sigma falls (a search from small sigma took minutes)."""
     dpa = _library()
-    delta, rounds, key = delta_of(config), config.rounds, _event_key(config)
+    delta, rounds, key = delta_of(config), config.rounds, key or _event_key(config)
     kind = config.privacy.accountant
     pld = kind == "pld" or accountant_of(config, PLD_MIN_SIGMA) == "pld"
+
+    def spent(sigma):
+        return _epsilon(key, accountant_of(config, sigma), delta, rounds, float(sigma))
 
     def search(kind, bracket):
         return float(dpa.calibrate_dp_mechanism(
             lambda: _accountant(kind, key),
-            lambda sigma: dpa.SelfComposedDpEvent(round_event(config, sigma), rounds),
+            lambda sigma: dpa.SelfComposedDpEvent(_event(key, sigma), rounds),
             target, delta, bracket, tol=1e-4 * target))
 
     try:
@@ -213,23 +218,31 @@ def calibrate(config, target: float) -> float:
         check_pld(config, sigma)
         if pld and sigma >= PLD_FLOOR:
             for _ in range(8):
-                if epsilon(config, rounds, sigma) <= target:
+                if spent(sigma) <= target:
                     break
                 sigma *= 1.5
             low = sigma / 2
-            while low > PLD_FLOOR and epsilon(config, rounds, low) <= target:
+            while low > PLD_FLOOR and spent(low) <= target:
                 low /= 2
             sigma = search("pld", dpa.ExplicitBracketInterval(max(low, PLD_FLOOR / 2), sigma))
             if kind == "auto" and sigma < PLD_MIN_SIGMA:   # "auto" accounts with RDP there
                 sigma = rdp
-        reached = epsilon(config, rounds, sigma)
+        reached = spent(sigma)
     except (ValueError, RuntimeError, OverflowError) as exc:
         reached, sigma = math.nan, " ".join(str(exc).split())
     if not reached <= target * (1 + 1e-9):   # the search stops where the accountant's floor is
+        who = f" for the smallest client ({key[2]} steps a round at q = {key[1]:.4g})" \
+            if key[0] == "sample" else ""
         raise UsageError(f"config field privacy.target_epsilon: no noise multiplier reaches "
-                         f"epsilon = {target:g} at delta = {delta:g} over {rounds} rounds (the "
-                         f"search ended at sigma = {sigma}, epsilon {reached:.3g})")
+                         f"epsilon = {target:g} at delta = {delta:g} over {rounds} rounds"
+                         f"{who} (the search ended at sigma = {sigma}, epsilon {reached:.3g})")
     return sigma
+
+
+def sample_calibrate(config, n: int, target: float) -> float:
+    """Sample-level DP-SGD: the noise multiplier that keeps a client of n samples (the
+    smallest, which spends the most) within ``target`` after ``config.rounds`` rounds."""
+    return calibrate(config, target, ("sample", *sample_steps(config, n)))
 
 
 def describe(config) -> dict:

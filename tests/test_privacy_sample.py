@@ -13,13 +13,15 @@ import torch
 import torch.nn.functional as F
 
 from fedmpi import config as cfg
+from fedmpi import privacy
 from fedmpi.algorithms.base import ClientTask
 from fedmpi.errors import UsageError
+from fedmpi.results import RunFile
 from fedmpi.runtime.dp_sgd import PrivateSteps
 from fedmpi.runtime.rng import torch_generator
 
 from conftest import fedmpi, needs_mpi
-from helpers import TINY, assert_same_on_3_ranks, merged, run_file
+from helpers import TINY, assert_same_on_3_ranks, merged, run_and_resume, run_file
 
 # 4 clients of 96 samples, all every round (cross-silo)
 BASE = merged({**TINY, "partition": {"kind": "iid"}}, rounds=2,
@@ -89,6 +91,33 @@ def test_epsilon_is_the_smallest_client_s_composed_by_dp_accounting(tmp_path):
         accountant.compose(dpa.SelfComposedDpEvent(step, steps), t)
         want.append(accountant.get_epsilon(1e-5))
     assert got == want and attrs["privacy_delta"] == 1e-5
+    poisson = cfg.from_dict(merged(values, clients={"num": 4, "per_round": 2,
+                                                    "sampling": "bernoulli"}))
+    assert privacy.accountant_of(poisson) == "rdp"      # "auto": PLD is central DP's
+
+
+def test_a_target_epsilon_is_met_by_the_smallest_client_and_resumes_to_the_same_noise(tmp_path):
+    """target_epsilon: sigma calibrated at start-up for the smallest client (known once the
+    data are partitioned): its epsilon after the last round is the target (to the search's
+    tolerance), the file records that sigma, a run given that sigma directly is the same
+    run bit for bit, and a resume recalibrates to the same sigma."""
+    values = merged(BASE, partition={"kind": "dirichlet", "alpha": 0.5},
+                    privacy={**SAMPLE, "noise_multiplier": 0.0, "target_epsilon": 3.0})
+    crashed, _ = run_and_resume(values, tmp_path)
+    with run(tmp_path, "calibrated", values) as r:
+        sigma, eps, model = r.attrs["privacy_noise_multiplier"], r.rounds()["epsilon"], r.model()
+        n = r.attrs["privacy_sample_smallest_client"]
+    assert 0 < sigma and 3.0 * (1 - 1e-3) <= eps[-1] <= 3.0
+    q, steps = privacy.sample_steps(cfg.from_dict(values), n)
+    accountant = dpa.rdp.RdpAccountant()    # dp-accounting directly, at sigma and sigma * 0.99
+    step = dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(0.99 * sigma)) if q < 1 else \
+        dpa.GaussianDpEvent(0.99 * sigma)
+    accountant.compose(dpa.SelfComposedDpEvent(step, steps), 2)
+    assert accountant.get_epsilon(1e-5) > 3.0           # the smallest sigma, not any
+    given = merged(values, privacy={**SAMPLE, "noise_multiplier": sigma})
+    with run(tmp_path, "given", given) as r, RunFile(crashed) as resumed:
+        assert np.array_equal(r.model(), model) and np.array_equal(resumed.model(), model)
+        assert resumed.attrs["privacy_noise_multiplier"] == sigma
 
 
 def test_the_noise_has_std_sigma_clip_over_qn(tmp_path):
@@ -119,8 +148,6 @@ def test_dp_sgd_runs_are_bitwise_the_same_for_1_and_3_ranks(tmp_path):
     ({"algorithm": {"name": "moon"}, "model": {**TINY["model"], "proj_dim": 8}},
      "privacy.mechanism: sample-level DP-SGD replaces the local steps' gradient; 'moon' "
      "computes its own"),
-    ({"privacy": {**SAMPLE, "target_epsilon": 4.0}},
-     "privacy.target_epsilon: sample-level DP's epsilon depends on the clients' sizes"),
     ({"system": {**TINY["system"], "client_group": 2}},
      "system.client_group: privacy.mechanism \"sample\" (DP-SGD) takes each client's "
      "per-sample gradients on its own"),

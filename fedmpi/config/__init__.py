@@ -31,7 +31,7 @@ Sections of a TOML file (every key optional)::
                  local_spectra)
     [system]     device, gpu_share, precision, deterministic, threads, state_memory_mb,
                  state_dir, checkpoint_every
-    [privacy]    mechanism (off | central), clip, noise_multiplier, target_epsilon, delta,
+    [privacy]    mechanism (off | central | local | sample), clip, noise_multiplier, target_epsilon, delta,
                  accountant (auto | pld | rdp); docs/privacy.md
 """
 

@@ -242,7 +242,8 @@ class PrivacyConfig:
                                        # to this norm
     noise_multiplier: float = 0.0      # sigma: noise std sigma C per coordinate of the sum
     target_epsilon: float = 0.0        # > 0: sigma calibrated to this epsilon after `rounds`
-                                       # (replaces noise_multiplier; the file records it)
+                                       # (replaces noise_multiplier; the file records it;
+                                       # sample: the smallest client's, at start-up)
     delta: float = 0.0                 # the delta epsilon is reported at; 0: 1 / clients.num^1.1
     accountant: str = "auto"           # auto (pld for central DP under bernoulli sampling with
                                        # noise_multiplier >= 0.3, else rdp) | pld | rdp

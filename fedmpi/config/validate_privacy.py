@@ -74,12 +74,8 @@ def validate_privacy(c: ExperimentConfig) -> None:
     refuse(c)
     from .. import privacy            # deferred (above)
     if p.mechanism == "sample":
-        if p.target_epsilon:
-            raise field_error("privacy.target_epsilon", "sample-level DP's epsilon depends on "
-                                                        "the clients' sizes, which the data "
-                                                        "give; set privacy.noise_multiplier")
         privacy._library()            # the library is there: a run never fails for it later
-        privacy.check_pld(c, p.noise_multiplier)
+        privacy.check_pld(c, p.noise_multiplier)   # target_epsilon: at start-up (the sizes)
     elif p.target_epsilon:
         p.noise_multiplier = privacy.calibrate(c, p.target_epsilon)
     else:

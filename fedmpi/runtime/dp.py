@@ -266,6 +266,21 @@ def private_steps(config, key: tuple[int, int, int]):
     return PrivateSteps(config, key) if config.privacy.mechanism == "sample" else None
 
 
+def smallest_client(sizes) -> int:
+    """The smallest client that takes steps (clients without samples take none)."""
+    return min((int(n) for n in sizes if n > 0), default=1)
+
+
+def calibrate_sample(config, sizes) -> None:
+    """Sample-level DP-SGD with ``privacy.target_epsilon``: the noise multiplier that keeps
+    the smallest client within it, set in the config at start-up (on every rank alike, a
+    pure function of the partition) before the file records it."""
+    p = config.privacy
+    if p.mechanism == "sample" and p.target_epsilon:
+        p.noise_multiplier = privacy.sample_calibrate(config, smallest_client(sizes),
+                                                      p.target_epsilon)
+
+
 class SampleAccounting(Accounting):
     """Sample-level DP-SGD: epsilon of the smallest client (which spends the most) after
     every round, had it taken part in all of them."""
@@ -296,9 +311,8 @@ def server_stages(config, d: int, x0: torch.Tensor, sizes=()) -> list[ServerStag
     Built on every rank, so a refusal is every rank's; only the server runs them."""
     if config.privacy.mechanism == "local":
         return [Accounting(config)]
-    if config.privacy.mechanism == "sample":   # clients without samples take no steps
-        smallest = min((int(n) for n in sizes if n > 0), default=1)
-        return [SampleAccounting(config, smallest)]
+    if config.privacy.mechanism == "sample":
+        return [SampleAccounting(config, smallest_client(sizes))]
     if config.privacy.mechanism != "central":
         return []
     canaries = [Canaries(config, d, x0)] if config.privacy.audit_canaries else []

@@ -49,7 +49,7 @@ from .records import (CLIENT_FIELDS, RANK_FIELDS, ROUND_FIELDS, Timers, Traffic,
 from .rng import key_seed, seed_global
 from .runfile import create_file, resume_file
 from .scoring import evaluator
-from .dp import private_steps, server_stages
+from .dp import calibrate_sample, private_steps, server_stages
 from .stages import client_stages
 from .state import ClientStateStore
 from .system import kernels_warning, numerics
@@ -85,6 +85,7 @@ class Experiment:
         self.flat, self.d, self.data, self.split = world.flat, world.d, world.data, world.split
         self.num_classes, self.test_y = world.dataset.num_classes, world.dataset.test_y
         self.public, self.sizes = self.split.public, self.split.sizes
+        calibrate_sample(cfg, self.sizes)
         # Placement balances local steps, which is what training time is proportional to.
         self.steps = -(-self.sizes // cfg.train.batch_size)
         self.group = client_group(cfg, comm, self.flat, self.d, self.device, self.autocast)
