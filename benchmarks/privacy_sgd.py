@@ -10,6 +10,13 @@ is every sample's, clipped: the per-sample gradients are the whole difference.
 
     python benchmarks/privacy_sgd.py                    # both models
     python benchmarks/privacy_sgd.py --models 2nn --clients 4
+    PYTHONPATH=/path/to/opacus python benchmarks/privacy_sgd.py --opacus
+
+``--opacus`` also times Opacus (if it imports) on the same module, samples, B and
+sigma: one epoch of one client's 6,000 samples as a plain PyTorch loop (shuffled batches
+of 32), then through Opacus's PrivacyEngine with Poisson batches, per-sample gradients by
+its hooks ("hooks") and by its ghost clipping ("ghost"); each as ms a step and as a ratio
+to the plain loop, which is the overhead to compare with fedmpi's ratio.
 
 What was measured, on which machine: docs/performance.md ("DP-SGD").
 """
@@ -46,10 +53,54 @@ def seconds_per_step(values: dict, out: Path) -> float:
     return compute / steps
 
 
+def opacus_steps(model: str, samples: int = 6000, batch: int = 32) -> dict:
+    """ms a step of the plain loop, Opacus "hooks" and Opacus "ghost" (see the docstring)."""
+    import time
+
+    import torch
+    from opacus import PrivacyEngine   # optional: only --opacus needs it
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from fedmpi.data.registry import load_dataset
+    from fedmpi.models import build_model
+
+    data = load_dataset("fashion_mnist")
+    mean, std = torch.tensor(data.mean).view(1, -1, 1, 1), torch.tensor(data.std).view(1, -1, 1, 1)
+    x = (data.train_x[:samples].float() / 255 - mean) / std
+    dataset = TensorDataset(x, data.train_y[:samples].long())
+    out = {}
+    for mode in ("plain", "hooks", "ghost"):
+        torch.manual_seed(0)
+        module = build_model(model, 1, 10, 28)
+        optimizer = torch.optim.SGD(module.parameters(), lr=0.05)
+        loader = DataLoader(dataset, batch_size=batch, shuffle=True)
+        criterion = torch.nn.CrossEntropyLoss()
+        if mode != "plain":
+            made = PrivacyEngine(accountant="rdp").make_private(
+                module=module, optimizer=optimizer, data_loader=loader, criterion=criterion,
+                noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=True,
+                grad_sample_mode=mode)
+            module, optimizer, criterion, loader = made if mode == "ghost" else \
+                (made[0], made[1], criterion, made[2])
+        steps, start = 0, time.perf_counter()
+        for xb, yb in loader:
+            if not len(yb):
+                continue
+            optimizer.zero_grad()
+            loss = criterion(module(xb), yb)
+            loss.backward()
+            optimizer.step()
+            steps += 1
+        out[mode] = 1e3 * (time.perf_counter() - start) / steps
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["2nn", "cnn"])
     parser.add_argument("--clients", type=int, default=10)
+    parser.add_argument("--opacus", action="store_true",
+                        help="also time Opacus on the same work (it must import)")
     args = parser.parse_args()
     print(f"DP-SGD: Fashion-MNIST, {args.clients} clients (IID), B = 32, E = 1, one client "
           f"after another; seconds per local step")
@@ -60,6 +111,11 @@ def main() -> None:
             dp = seconds_per_step(workload(model, args.clients, True), Path(tmp) / f"{model}-dp.h5")
             print(f"  {model:4s}  plain {1e3 * plain:7.2f} ms   DP-SGD {1e3 * dp:7.2f} ms   "
                   f"ratio {dp / plain:.2f}", flush=True)
+            if args.opacus:
+                t = opacus_steps(model)
+                print(f"  {model:4s}  Opacus: plain loop {t['plain']:7.2f} ms   hooks "
+                      f"{t['hooks']:7.2f} ms (ratio {t['hooks'] / t['plain']:.2f})   ghost "
+                      f"{t['ghost']:7.2f} ms (ratio {t['ghost'] / t['plain']:.2f})", flush=True)
 
 
 if __name__ == "__main__":

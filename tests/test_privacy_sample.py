@@ -33,32 +33,64 @@ SAMPLE = {"mechanism": "sample", "clip": 1.0, "noise_multiplier": 1.0}
 run = run_file   # (tmp_path, name, values) -> the finished run's file, open
 
 
-def _task(module):
+def _task(module, channels_last=False):
     from fedmpi.flat import FlatModel
-    flat = FlatModel(module, torch.device("cpu"))
+    flat = FlatModel(module, torch.device("cpu"), channels_last=channels_last)
     return ClientTask(client=0, data=None, model=flat, device=torch.device("cpu"))
 
 
+MODELS = {   # name -> (module, channels_last, whether dp_ghost serves it)
+    "linear": (lambda: torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 3)), False, True),
+    "conv": (lambda: torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3, padding=1, stride=2),
+                                         torch.nn.ReLU(), torch.nn.Flatten(),
+                                         torch.nn.Linear(16, 3, bias=False)), False, True),
+    "conv-nhwc": (lambda: torch.nn.Sequential(torch.nn.Conv2d(1, 4, (2, 2), dilation=(1, 2)),
+                                              torch.nn.ReLU(), torch.nn.Flatten(),
+                                              torch.nn.Linear(16, 3)), True, True),
+    "layernorm": (lambda: torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 6),
+                                              torch.nn.LayerNorm(6), torch.nn.Linear(6, 3)),
+                  False, False),
+}
+
+
+@pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize("sigma", [0.0, 3.0])
-def test_each_sample_s_gradient_is_clipped_then_summed_noised_and_divided_by_qn(sigma):
+def test_each_sample_s_gradient_is_clipped_then_summed_noised_and_divided_by_qn(sigma, model):
+    """Against autograd one sample at a time, for models the ghost norm serves (Linear,
+    Conv2d in either storage order) and models it leaves to the per-sample rows."""
+    from fedmpi.runtime.dp_ghost import ghost_of
+    build, channels_last, ghost = MODELS[model]
     torch.manual_seed(0)
-    task = _task(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 3)))
+    task = _task(build(), channels_last)
     x, y = torch.randn(5, 1, 3, 4) * 4, torch.tensor([0, 1, 2, 1, 0])
+    served = ghost_of(task.model) is not None and \
+        ghost_of(task.model).clipped_sum(x, y, 1.0) is not None
+    assert served == ghost
     values = cfg.from_dict(merged(BASE, privacy={**SAMPLE, "clip": 0.7, "noise_multiplier": sigma}))
     steps = PrivateSteps(values, (0, 0, 0))
     steps.expected = 8.0                   # q n: the fixed denominator, not the batch's 5
     loss = steps.gradient(task, x, y)
-    module, want = task.model.module, torch.zeros(task.model.num_params)
+    module, flat = task.model.module, task.model
+    want = torch.zeros(flat.num_params)
     for i in range(5):                     # each sample's gradient by autograd, clipped
-        module.zero_grad()
+        module.zero_grad(set_to_none=True)
         F.cross_entropy(module(x[i:i + 1]), y[i:i + 1]).backward()
         g = torch.cat([p.grad.reshape(-1) for p in module.parameters()])
         want += g * min(1.0, 0.7 / (float(g.norm()) + 1e-6))
-    noise = torch.randn(task.model.num_params,
-                        generator=torch_generator(values.seed, "dp-sgd-noise", 0, 0, 0))
-    assert torch.allclose(task.model.grads, (want + sigma * 0.7 * noise) / 8.0,
-                          rtol=1e-5, atol=1e-6)
+    got = flat.canonical(flat.grads)       # storage order -> the parameters' order
+    noise = flat.canonical(torch.randn(flat.num_params,
+                                       generator=torch_generator(values.seed, "dp-sgd-noise", 0, 0, 0)))
+    assert torch.allclose(got, (want + sigma * 0.7 * noise) / 8.0, rtol=1e-5, atol=1e-6)
     assert float(loss) == pytest.approx(float(F.cross_entropy(module(x), y).detach()), rel=1e-5)
+
+
+def test_a_layer_called_twice_is_left_to_the_general_path():
+    from fedmpi.runtime.dp_ghost import ghost_of
+    layer = torch.nn.Linear(12, 12)
+    task = _task(torch.nn.Sequential(torch.nn.Flatten(), layer, torch.nn.Tanh(), layer))
+    ghost = ghost_of(task.model)
+    assert ghost is not None
+    assert ghost.clipped_sum(torch.randn(5, 1, 3, 4), torch.tensor([0, 1, 2, 1, 0]), 1.0) is None
 
 
 def test_full_batches_without_noise_or_clip_are_full_batch_local_sgd(tmp_path):

@@ -7,9 +7,10 @@ Each local step of client i:
 1. a Poisson batch: each of its n_i samples independently with probability
    q_i = min(1, B / n_i), from its keyed stream (``ClientData.poisson_batches``); the
    client takes E ceil(n_i / B) steps a round, as without DP;
-2. per-sample gradients, as the rows of a client group of one sample each
-   (``group_sgd.GroupModel``: torch.func's vmap, or the hand-written chain of the CNN and
-   2NN), each clipped to L2 norm C (``privacy.clip``);
+2. each sample's gradient clipped to L2 norm C (``privacy.clip``) and summed: for a
+   model of Linear and Conv2d layers without forming the per-sample gradients
+   (``dp_ghost``: the ghost norm and book-keeping), else as the rows of a client group of
+   one sample each (``group_sgd.GroupModel``: torch.func's vmap);
 3. their sum plus N(0, sigma^2 C^2) per coordinate from the stream keyed by (seed, round,
    client, phase, step), divided by the expected batch size q_i n_i (never the realised
    one), is the step's gradient. ``train.grad_clip`` is off for these steps (the noised
@@ -28,6 +29,7 @@ import torch
 
 from ..algorithms.group_sgd import group_model
 from ..algorithms.local_sgd import CLIP_EPS
+from .dp_ghost import ghost_of
 from .rng import torch_generator
 
 
@@ -52,7 +54,11 @@ class PrivateSteps:
         flat = task.model
         grads = flat.grads
         count = len(y)
-        if count:
+        ghost = ghost_of(flat) if count else None
+        losses = ghost.clipped_sum(x, y, self.clip, task.autocast) if ghost else None
+        if losses is not None:
+            loss = losses.mean()
+        elif count:
             model = group_model(flat)
             model.buffer(count).copy_(flat.params.detach().expand(count, -1))
             losses, rows = model.gradient(count, x.unsqueeze(1), y.unsqueeze(1), None,
