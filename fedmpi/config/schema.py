@@ -41,6 +41,9 @@ class PartitionConfig:
     noise_mode: str = "level"          # level | space (std = noise only in client i's image block)
     brightness: float = 0.0            # client brightness factor ~ U(1 - b, 1 + b), fixed per client
     saturation: float = 0.0            # client saturation factor ~ U(1 - s, 1 + s) (FedMIM colour skew)
+    local_test: float = 0.0            # fraction of each client's samples kept as its local test
+                                       # split (stratified by label, keyed by the seed; a client
+                                       # of n >= 2 samples keeps 1..n-1 for training); 0 = none
 
 
 @dataclass
@@ -137,6 +140,14 @@ class EvalConfig:
                                        # normalisation layers collapsed to chance under raw)
     local_spectra: bool = False        # also the spectrum of each client's local model on probe
                                        # rounds (FedU^2 Figure 3's local models), /local_spectra
+    # Per-client evaluation on the local test splits (partition.local_test), on every
+    # evaluation round: /client_eval rows and client_acc_* summaries in /rounds.
+    clients: int | str = "none"        # none | all | N: a keyed sample of N clients (the same
+                                       # clients every evaluation)
+    client_finetune_epochs: int = 0    # > 0: each evaluated client also fine-tunes the global
+                                       # model this many epochs on its local training data (plain
+                                       # SGD at train.lr, train.batch_size) and is scored again:
+                                       # personal_* (FedAvg-FT); 0 = none
 
 
 @dataclass

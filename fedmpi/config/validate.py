@@ -17,6 +17,7 @@ from pathlib import Path
 
 from .coerce import build, check_scalar, field_error, one_of as _one_of, positive as _positive
 from .schema import OPEN_SECTIONS, ExperimentConfig, upgrade
+from .validate_personal import validate_personal
 from .validate_privacy import validate_privacy
 from .validate_system import validate_system_model
 from .vocab import (ASYNC_MODES, DOWN_CODECS, EMPTY_ROUNDS, FEEDBACK, FINETUNE_HEADS,
@@ -107,6 +108,7 @@ def resolve_and_validate(c: ExperimentConfig) -> None:
     validate_system_model(c)
     _validate_compression(c)
     validate_privacy(c)
+    validate_personal(c)
     _validate_paths(c)
 
 

@@ -190,14 +190,14 @@ class _Digest:
 
 
 def truncate(h5file: h5py.File, completed_rounds: int) -> None:
-    """Cut /rounds, /clients, /ranks, /eval and /local_spectra to the rows of rounds
+    """Cut /rounds, /clients, /ranks, /eval, /local_spectra and /client_eval to the rows of rounds
     0..completed_rounds: the initial model's round 0 is kept even with no round
     completed, and a resumed run does not evaluate it again.
 
     Rows are appended in round order, so each group is cut at one index; the shortest
     column bounds it (a crash can land between two columns' appends).
     """
-    for name in ("rounds", "clients", "ranks", "eval", "local_spectra"):
+    for name in ("rounds", "clients", "ranks", "eval", "local_spectra", "client_eval"):
         if name not in h5file or "round" not in h5file[name]:
             continue
         columns = list(h5file[name].values())

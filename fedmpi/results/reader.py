@@ -194,6 +194,12 @@ class RunFile:
         return self._file["model"][name][()]
 
     @_reads
+    def client_eval(self) -> dict[str, np.ndarray]:
+        """/client_eval (eval.clients): one row per (evaluation round, evaluated client);
+        empty columns where the run did not score its clients."""
+        return self._columns("client_eval") if "client_eval" in self._file else {}
+
+    @_reads
     def _columns(self, group_name: str) -> dict[str, np.ndarray]:
         """Refresh (SWMR) and cut all columns to the rows every column has.
 

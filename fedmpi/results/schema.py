@@ -16,6 +16,8 @@ kept in SWMR mode so it can be read while the run goes and after a crash::
     /rounds/<field>          one extendable 1-D column per round field, one row per round
     /clients/<field>         one extendable 1-D column per field, one row per
                              (round, client) participation
+    /client_eval/<field>     (eval.clients) one row per (evaluation round, evaluated
+                             client): its local test split's size, accuracy and loss
     /model/layout/           names (utf-8 str), shapes (utf-8 str, JSON list per tensor),
                              offsets (int64), sizes (int64): one row per tensor
     /model/<name>            float32 flat parameter vector, e.g. /model/final
@@ -44,7 +46,7 @@ RESERVED_ATTRS = frozenset(
 
 # Counts and identifiers: stored exactly as int64 instead of float64.
 INT_FIELDS = frozenset({"round", "client", "rank", "n_samples", "steps", "bytes_down", "bytes_up",
-                        "bytes_sent", "bytes_received"})
+                        "bytes_sent", "bytes_received", "n_test"})
 INT_FILL = -1
 
 # What the runtime writes (the writer accepts any field list; these are the documented ones).
@@ -57,6 +59,11 @@ CLIENT_FIELDS = (
     "round", "client", "rank", "n_samples", "steps", "train_loss", "update_norm",
     "bytes_down", "bytes_up", "seconds",
 )
+# Tables a run may add beside /clients, created with the file when its config asks for
+# them: /client_eval (eval.clients), one row per (evaluation round, evaluated client).
+TABLES = ("client_eval",)
+CLIENT_EVAL_FIELDS = ("round", "client", "n_test", "accuracy", "loss")
+PERSONAL_EVAL_FIELDS = ("personal_accuracy", "personal_loss")
 PARTITION_KEYS = ("client_offsets", "client_indices", "class_counts", "client_sizes")
 
 # Rows per chunk: each column with data holds at least one whole chunk on disk (4 KB at

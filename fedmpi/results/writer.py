@@ -42,7 +42,8 @@ class ResultsWriter:
     def create(cls, path, *, config: dict, provenance: dict, round_fields: list[str],
                client_fields: list[str], layout: list[tuple[str, tuple[int, ...], int]],
                partition: dict[str, np.ndarray], force: bool = False,
-               rank_fields: list[str] = ()) -> "ResultsWriter":
+               rank_fields: list[str] = (),
+               tables: dict[str, list[str]] | None = None) -> "ResultsWriter":
         """Create the file with every dataset it will ever append to, then enter SWMR.
 
         All input is checked before the filesystem is touched, and the file is built
@@ -56,6 +57,11 @@ class ResultsWriter:
         check_fields("client_fields", client_fields)
         if rank_fields:
             check_fields("rank_fields", rank_fields)
+        tables = dict(tables or {})
+        for name, fields in tables.items():   # more tables of rows (/client_eval)
+            if name not in schema.TABLES:
+                raise ValueError(f"table {name!r} is not one of {list(schema.TABLES)}")
+            check_fields(name, fields)
         layout = check_layout(layout)
         partition = partition_arrays(partition)
         _prepare_path(path, force)
@@ -66,6 +72,8 @@ class ResultsWriter:
             create_columns(h5file.create_group("rounds"), round_fields, schema.ROUND_CHUNK)
             create_columns(h5file.create_group("clients"), client_fields, schema.CLIENT_CHUNK)
             create_columns(h5file.create_group("ranks"), list(rank_fields), schema.CLIENT_CHUNK)
+            for name, fields in tables.items():
+                create_columns(h5file.create_group(name), list(fields), schema.CLIENT_CHUNK)
             return write_layout(h5file.create_group("model"), layout)
 
         temporary = _temporary(path, "tmp")
@@ -145,6 +153,10 @@ class ResultsWriter:
     def append_ranks(self, rows: dict[str, np.ndarray]) -> None:
         """One row per (round, rank): bytes moved, busy and idle seconds of each rank."""
         self._append_rows(self._ranks, "rank_fields", rows)
+
+    def append_table(self, name: str, rows: dict[str, np.ndarray]) -> None:
+        """Rows of one of the extra tables the file was created with (``schema.TABLES``)."""
+        self._append_rows(self._tables[name], name, rows)
 
     def _append_rows(self, columns, what: str, rows: dict[str, np.ndarray]) -> None:
         lengths = {np.shape(v) for v in rows.values()}
@@ -241,6 +253,8 @@ class ResultsWriter:
         self._clients = {name: ds for name, ds in self._file["clients"].items()}
         self._ranks = {name: ds for name, ds in self._file["ranks"].items()} \
             if "ranks" in self._file else {}
+        self._tables = {table: dict(self._file[table].items()) for table in schema.TABLES
+                        if table in self._file}
 
     def _append(self, columns: dict, what: str, values: dict, n: int) -> None:
         """Convert every column before growing any, so a bad value cannot leave them ragged."""

@@ -86,6 +86,7 @@ class Experiment:
         self.num_classes, self.test_y = world.dataset.num_classes, world.dataset.test_y
         self.public, self.sizes = self.split.public, self.split.sizes
         calibrate_sample(cfg, self.sizes)
+        self.evaluator = evaluator(self.alg, cfg, self.split)
         # Placement balances local steps, which is what training time is proportional to.
         self.steps = -(-self.sizes // cfg.train.batch_size)
         self.group = client_group(cfg, comm, self.flat, self.d, self.device, self.autocast)
@@ -183,7 +184,10 @@ class Experiment:
         phases = [self._phase(t, p, phase, sampled, timers, traffic)                  # 2
                   for p, phase in enumerate(self.alg.phases)]
         evaluated = (t + 1) % cfg.eval.every == 0 or t == cfg.rounds - 1
-        acc, test_loss = self.evaluator.evaluate(self, timers) if evaluated else (math.nan, math.nan)  # 3
+        acc, test_loss = self.evaluator.evaluate(self, timers, t + 1) if evaluated \
+            else (math.nan, math.nan)                                                 # 3
+        columns, tables = self.evaluator.take()
+        self.diagnostics.update(columns)
         self._notify("after_evaluate", t, timers)
         ranks = gather_ranks(comm, timers)                                            # 4
         if comm.is_server:
@@ -192,7 +196,7 @@ class Experiment:
             self.diagnostics.update(columns)
             row = round_row(cfg, t, wall, timers, ranks, rows, traffic, acc, test_loss,
                             self.state["x"], x_before, self.diagnostics, comm.size > 1)
-            self._record(t + 1, row, ranks, rows + more)
+            self._record(t + 1, row, ranks, rows + more, tables)
 
     def _phase(self, t, p, phase, sampled, timers, traffic):
         """One phase over the comm (fedmpi.runtime.phase); the server keeps its diagnostics."""
@@ -214,14 +218,16 @@ class Experiment:
         if stop:
             raise StopRun(stop)
         wall, timers = time.perf_counter(), Timers()
-        acc, test_loss = self.evaluator.evaluate(self, timers)
+        acc, test_loss = self.evaluator.evaluate(self, timers, 0)
+        columns, tables = self.evaluator.take()
         ranks = gather_ranks(comm, timers)
         if comm.is_server:
             row = {**start_row(wall, timers, ranks, acc, test_loss),
-                   **self.participation.start_columns()}
-            self._record(0, row, ranks, [])
+                   **self.participation.start_columns(), **columns}
+            self._record(0, row, ranks, [], tables)
 
-    def _record(self, round_: int, row: dict, ranks: np.ndarray, rows: list[dict]) -> None:
+    def _record(self, round_: int, row: dict, ranks: np.ndarray, rows: list[dict],
+                tables: dict) -> None:
         """Server: the round into the file, flushed (every completed round is on disk),
         then the observers' after_round (divergence, checkpoint, preemption, progress)."""
         self.writer.append_round(row)
@@ -229,6 +235,8 @@ class Experiment:
         for gathered in rows:
             self.writer.append_clients({"round": np.full(len(gathered["client"]), round_),
                                         **client_columns(gathered, unrecorded(self.alg, self.d))})
+        for name, table in tables.items():   # the evaluator stages' rows (/client_eval)
+            self.writer.append_table(name, table)
         self.writer.flush()
         self._notify("after_round", RoundRecord(round_, row, ranks))
 

@@ -47,6 +47,10 @@ class FederatedSplit(Partition):
     brightness: np.ndarray      # float64 [M], factor (1 = unchanged)
     saturation: np.ndarray      # float64 [M]
     noise_blocks: int           # 0: noise on the whole image; g: client's cell of a g x g grid
+    # partition.local_test: identity c's local test split, test_indices[test_offsets[c]:
+    # test_offsets[c + 1]] (training set ids, taken out of its training samples); None: none
+    test_offsets: np.ndarray | None = None
+    test_indices: np.ndarray | None = None
 
     @property
     def num_identities(self) -> int:
@@ -60,6 +64,18 @@ class FederatedSplit(Partition):
     def sample(self, slots: np.ndarray, round_: int) -> np.ndarray:
         """Identities of the sampled slots, ascending (the order client-order sums use)."""
         return np.sort(self.active(round_)[slots])
+
+    def test_client(self, c: int) -> np.ndarray:
+        """Identity c's local test samples (training set ids; empty without splits)."""
+        if self.test_offsets is None:
+            return self.indices[:0]
+        return self.test_indices[self.test_offsets[c]:self.test_offsets[c + 1]]
+
+    @property
+    def test_sizes(self) -> np.ndarray:
+        if self.test_offsets is None:
+            return np.zeros(self.num_clients, dtype=np.int64)
+        return np.diff(self.test_offsets)
 
     def skew(self, c: int) -> ClientSkew | None:
         skew = ClientSkew(float(self.noise_std[c]), float(self.brightness[c]),
@@ -77,7 +93,11 @@ class FederatedSplit(Partition):
                 "class_counts": self.class_counts(labels, num_classes),
                 "population": self.population, "identity_slot": self.identity_slot,
                 "identity_stage": self.identity_stage, "noise_std": self.noise_std,
-                "brightness": self.brightness, "saturation": self.saturation}
+                "brightness": self.brightness, "saturation": self.saturation,
+                **({} if self.test_offsets is None else
+                   {"local_test_offsets": self.test_offsets,
+                    "local_test_indices": self.test_indices,
+                    "local_test_sizes": self.test_sizes})}
 
 
 def federate(config, dataset) -> FederatedSplit:
@@ -103,8 +123,43 @@ def federate(config, dataset) -> FederatedSplit:
     indices = np.concatenate([base.indices, *newcomers]).astype(np.int64)
     noise, blocks = _noise(config, slots)
     bright, sat = _colour(config, len(slots))
-    return FederatedSplit(offsets, indices, public, population, config.clients.replace_every,
-                          slots, stages, noise, bright, sat, blocks)
+    split = FederatedSplit(offsets, indices, public, population, config.clients.replace_every,
+                           slots, stages, noise, bright, sat, blocks)
+    if config.partition.local_test:
+        split.offsets, split.indices, split.test_offsets, split.test_indices = local_test_split(
+            offsets, indices, labels, config.partition.local_test, config.seed)
+    return split
+
+
+def local_test_split(offsets, indices, labels, fraction: float, seed: int):
+    """Each client's samples cut into a local training and a local test part: m_c =
+    round(fraction n_c) clamped to [1, n_c - 1] test samples for a client of n_c >= 2
+    (none for a client of one sample, which keeps it for training), stratified by label.
+    A client's samples are ordered by label, ties in a keyed random order, and its test
+    samples are every (n_c / m_c)-th from a keyed random start (systematic sampling:
+    each label gets its share to within one sample). Returns (train offsets, train
+    indices, test offsets, test indices), each client's ids ascending."""
+    sizes = np.diff(offsets)
+    clients = len(sizes)
+    owner = np.repeat(np.arange(clients), sizes)
+    rng = numpy_rng(seed, "local-test")
+    ties, start = rng.random(len(indices)), rng.random(clients)
+    order = np.lexsort((ties, labels[indices], owner))          # client, label, random
+    tests = np.where(sizes >= 2, np.clip(np.rint(fraction * sizes), 1, sizes - 1), 0)
+    tests = tests.astype(np.int64)
+    who = np.repeat(np.arange(clients), tests)
+    k = np.arange(int(tests.sum())) - np.repeat(np.cumsum(tests) - tests, tests)
+    step = sizes[who] / tests[who]
+    at = np.minimum(np.floor((k + start[who]) * step).astype(np.int64), sizes[who] - 1)
+    chosen = np.zeros(len(indices), dtype=bool)
+    chosen[offsets[who] + at] = True
+    ordered = indices[order]
+    parts = []
+    for mask, counts in ((~chosen, sizes - tests), (chosen, tests)):
+        ids, whose = ordered[mask], owner[mask]
+        ids = ids[np.lexsort((ids, whose))]                      # ascending within a client
+        parts += [np.concatenate([[0], np.cumsum(counts)]).astype(np.int64), ids.astype(np.int64)]
+    return tuple(parts)
 
 
 def public_indices(config, num_train: int, num_test: int) -> np.ndarray:

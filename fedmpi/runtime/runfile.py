@@ -53,11 +53,13 @@ def create_file(exp, dataset, ranks) -> bool:
     for server in exp.phases.server_stages:   # privacy: epsilon, the mechanism's settings
         round_fields += server.round_fields
         provenance.update(server.describe())
+    round_fields += exp.evaluator.round_fields   # eval.clients: client_acc_* summaries
     exp.lock = RunLock.acquire(cfg.output_path())
     exp.writer = ResultsWriter.create(
         cfg.output_path(), config=cfg.to_dict(), provenance=provenance,
         round_fields=round_fields, client_fields=clients, rank_fields=RANK_FIELDS,
-        layout=exp.flat.layout_rows(), partition=partition, force=exp.force)
+        layout=exp.flat.layout_rows(), partition=partition, force=exp.force,
+        tables=exp.evaluator.tables)
     return False
 
 

@@ -61,6 +61,40 @@ class KNN:
         return knn_accuracy(parts, exp.test_y, exp.num_classes), math.nan
 
 
-def evaluator(alg) -> GlobalTest | KNN:
-    """The run's evaluator stage, by what the method learns."""
-    return GlobalTest() if alg.supervised else KNN()
+class Evaluation:
+    """The run's evaluator stages: the global model's score (``GlobalTest`` or ``KNN``:
+    test_acc, test_loss), then the others in order (``client_eval.ClientTest``), each
+    with the /rounds columns it adds (``round_fields``) and a table of rows of its own
+    (``table``, ``table_fields``); ``take`` hands the last evaluation's to the round."""
+
+    def __init__(self, main, stages=()):
+        self.main, self.stages = main, list(stages)
+        self.round_fields = [f for stage in self.stages for f in stage.round_fields]
+        self.tables = {stage.table: stage.table_fields for stage in self.stages}
+        self._columns, self._rows = {}, {}
+
+    def evaluate(self, exp, timers, round_: int) -> tuple[float, float]:
+        """(test_acc, test_loss) on the server, NaNs elsewhere; the stages' columns and
+        rows wait for ``take``. ``round_``: the row's round (0: the initial model)."""
+        acc, loss = self.main.evaluate(exp, timers)
+        for stage in self.stages:
+            columns, rows = stage.evaluate(exp, timers, round_)
+            self._columns.update(columns)
+            if rows is not None:
+                self._rows[stage.table] = rows
+        return acc, loss
+
+    def take(self) -> tuple[dict, dict]:
+        """The columns and table rows of the evaluation since the last take."""
+        out = self._columns, self._rows
+        self._columns, self._rows = {}, {}
+        return out
+
+
+def evaluator(alg, config=None, split=None) -> Evaluation:
+    """The run's evaluator stages: the global one by what the method learns, then the
+    per-client one where ``eval.clients`` asks for it."""
+    from .client_eval import ClientTest   # deferred: it imports the results schema
+    stages = [ClientTest(config, split)] if config is not None and \
+        config.eval.clients != "none" else []
+    return Evaluation(GlobalTest() if alg.supervised else KNN(), stages)

@@ -1,0 +1,46 @@
+"""Checks of local test splits and per-client evaluation (``partition.local_test``,
+``eval.clients``, ``eval.client_finetune_epochs``): ranges and the fields they need."""
+
+from __future__ import annotations
+
+import math
+
+from .coerce import INT_MAX, field_error
+from .schema import ExperimentConfig
+
+
+def validate_personal(c: ExperimentConfig) -> None:
+    p, e = c.partition, c.eval
+    if isinstance(p.local_test, bool) or not isinstance(p.local_test, (int, float)) \
+            or not 0 <= p.local_test < 1 or not math.isfinite(p.local_test):
+        raise field_error("partition.local_test", f"must be a fraction in [0, 1) (0: no local "
+                                                  f"test splits), got {p.local_test!r}")
+    clients = e.clients
+    if isinstance(clients, bool) or not (clients in ("none", "all") or isinstance(clients, int)):
+        raise field_error("eval.clients", f'must be "none", "all" or a number of clients, got '
+                                          f'{clients!r}')
+    if isinstance(clients, int) and not 1 <= clients <= c.clients.num:
+        raise field_error("eval.clients", f"must be from 1 to clients.num = {c.clients.num} "
+                                          f'(or "all"), got {clients}')
+    ft = e.client_finetune_epochs
+    if isinstance(ft, bool) or not isinstance(ft, int) or not 0 <= ft <= INT_MAX:
+        raise field_error("eval.client_finetune_epochs", f"must be an integer >= 0 (0: no "
+                                                         f"fine-tuning), got {ft!r}")
+    if clients == "none":
+        if ft:
+            raise field_error("eval.client_finetune_epochs", 'fine-tunes the evaluated clients; '
+                                                             'needs eval.clients = "all" or N')
+        return
+    from ..algorithms import REGISTRY   # deferred: the algorithms import the config
+    method = REGISTRY.get(c.algorithm.name)
+    if method is not None and not method.supervised:
+        raise field_error("eval.clients", f"scores a classifier on each client's test split; "
+                                          f"algorithm {c.algorithm.name!r} learns an encoder "
+                                          f"(kNN and the probes score it)")
+    if not p.local_test:
+        raise field_error("eval.clients", "scores each client on its local test split; needs "
+                                          "partition.local_test > 0 (e.g. 0.2)")
+    skewed = [n for n in ("noise", "brightness", "saturation") if getattr(p, n)]
+    if skewed:
+        raise field_error("eval.clients", f"a client's local test split is scored without its "
+                                          f"feature skew; unset partition.{skewed[0]}")
