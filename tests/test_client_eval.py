@@ -50,9 +50,9 @@ def test_each_client_keeps_a_stratified_share_for_its_test_split():
     assert not np.array_equal(other, test)   # keyed by the seed
 
 
-def _direct_scores(run, values):
-    """Each client's (correct, loss sum) on its local test split, the final model scored
-    here by hand."""
+def _direct_scores(run, values, split="local_test"):
+    """Each client's (correct, loss sum, n) on its local test split (``split`` "client":
+    its training samples), the final model scored here by hand."""
     from fedmpi.data import load_dataset
     from fedmpi.models import build_model
     from fedmpi.runtime.clientdata import DeviceData
@@ -68,8 +68,8 @@ def _direct_scores(run, values):
     out = {}
     with torch.no_grad():
         for client in range(c.clients.num):
-            ids = p["local_test_indices"][p["local_test_offsets"][client]:
-                                          p["local_test_offsets"][client + 1]]
+            ids = p[f"{split}_indices"][p[f"{split}_offsets"][client]:
+                                        p[f"{split}_offsets"][client + 1]]
             logits = module(device.prepare(device.train_x[ids], None))
             y = device.train_y[ids]
             out[client] = (int((logits.argmax(1) == y).sum()),
@@ -146,6 +146,36 @@ def test_round_0_scores_do_not_depend_on_the_client_group(tmp_path):
         assert np.array_equal(rows[0][name], rows[1][name]), name
 
 
+def test_held_out_clients_never_train_and_give_the_two_gaps(tmp_path):
+    values = merged(SPLIT, clients={**TINY["clients"], "holdout": 0.25}, rounds=4)
+    with run_file(tmp_path, "run", values) as r:
+        table, rounds, p, trained = r.client_eval(), r.rounds(), r.partition(), r.clients()
+        test, train = _direct_scores(r, values), _direct_scores(r, values, "client")
+    held = p["holdout_slots"].tolist()
+    assert len(held) == 3 and not set(held) & set(trained["client"].tolist())
+    assert sorted(set(trained["client"].tolist())) == sorted(set(range(12)) - set(held))
+    last = table["round"] == 4
+    assert [c for c, h in zip(table["client"][last], table["held_out"][last]) if h] == held
+    acc = {int(c): test[int(c)][0] / test[int(c)][2] for c in range(12)}
+    ours = [c for c in range(12) if c not in held]
+    fit = np.mean([train[c][0] / train[c][2] for c in ours])
+    assert rounds["holdout_acc_mean"][4] == pytest.approx(np.mean([acc[c] for c in held]), abs=1e-12)
+    assert rounds["client_acc_mean"][4] == pytest.approx(np.mean([acc[c] for c in ours]), abs=1e-12)
+    assert rounds["client_train_acc_mean"][4] == pytest.approx(fit, abs=1e-12)
+    assert rounds["participation_gap"][4] == pytest.approx(
+        rounds["client_acc_mean"][4] - rounds["holdout_acc_mean"][4], abs=1e-15)
+    assert rounds["out_of_sample_gap"][4] == pytest.approx(fit - rounds["client_acc_mean"][4],
+                                                           abs=1e-12)
+    one = fedmpi(["report", str(tmp_path / "run.h5")])     # one run: its summary
+    assert one.returncode == 0, one.stderr
+    assert f"participation {100 * rounds['participation_gap'][4]:.2f}%" in one.stdout
+    assert f"mean {100 * rounds['holdout_acc_mean'][4]:.2f}% over clients" in one.stdout
+    from fedmpi.analysis import load
+    from fedmpi.analysis.report import report_table
+    table = report_table(load(str(tmp_path / "run.h5")))     # as for several runs
+    assert all(h in table.splitlines()[0] for h in ("local %", "local w10 %", "new %", "part. gap %"))
+
+
 @pytest.mark.slow
 @needs_mpi
 def test_per_client_scores_are_bitwise_the_same_for_1_and_3_ranks(tmp_path):
@@ -187,6 +217,14 @@ def test_a_resumed_run_has_the_same_client_rows(tmp_path):
     ({"partition": {**SPLIT["partition"], "noise": 0.1}},
      "eval.clients: a client's local test split is scored without its feature skew; unset "
      "partition.noise"),
+    ({"clients": {**TINY["clients"], "holdout": 1.0}}, "clients.holdout: must be a fraction in [0, 1)"),
+    ({"clients": {**TINY["clients"], "holdout": 0.7}},
+     "clients.holdout: holds out 8 of clients.num = 12, fewer than clients.per_round = 5 left"),
+    ({"clients": {**TINY["clients"], "holdout": 0.1}, "eval": {"clients": "none"}},
+     "clients.holdout: held-out clients are only evaluated; needs eval.clients"),
+    ({"clients": {**TINY["clients"], "holdout": 0.1},
+      "privacy": {"mechanism": "central", "noise_multiplier": 1.0}},
+     "clients.holdout: the privacy accounting's sampling rate is per_round / num"),
     ({"algorithm": {"name": "fedsimclr"}, "model": {**TINY["model"], "proj_dim": 8}},
      "eval.clients: scores a classifier on each client's test split; algorithm 'fedsimclr'"),
 ])

@@ -234,6 +234,10 @@ def last_value(run, column: str) -> float:
 
 
 PROBE_SKIP = ("round", "seconds", "posthoc")
+# per-client evaluation's /rounds summaries that `fedmpi report` shows (their last values)
+CLIENT_SUMMARY = ("client_acc_mean", "client_acc_worst10", "personal_acc_mean",
+                  "personal_acc_worst10", "holdout_acc_mean", "holdout_personal_acc_mean",
+                  "participation_gap", "out_of_sample_gap")
 
 
 def probe_results(run) -> dict[str, float]:
@@ -257,7 +261,8 @@ def summary(run, at=(), targets=(), smooth: float | None = None, windows=(),
     ((A, B) round pairs: the raw accuracy's mean over A..B, never smoothed), rounds_to_T
     per ``targets`` (None if never reached), traffic_mb, upload_mb, mb_per_round, time_s,
     kappa, rho, final_norm with ``norm`` (it reads the final model), and the probes of a
-    self-supervised run (``probe_results``). A private run adds epsilon and audit_epsilon. A run with the virtual clock adds
+    self-supervised run (``probe_results``). A private run adds epsilon and audit_epsilon; a run
+    that scored its clients (eval.clients) the last CLIENT_SUMMARY values. A run with the virtual clock adds
     hours_to_T per ``targets`` (None if never reached) and virtual_h.
     """
     out = {"rounds_done": last_round(run),
@@ -273,6 +278,8 @@ def summary(run, at=(), targets=(), smooth: float | None = None, windows=(),
                rho=rho(run))
     if "epsilon" in _rounds(run):      # a private run: what its accountant and audit say
         out.update(epsilon=last_value(run, "epsilon"), audit_epsilon=last_value(run, "audit_epsilon"))
+    rounds = _rounds(run)
+    out.update({f: last_value(run, f) for f in CLIENT_SUMMARY if f in rounds})   # eval.clients
     if has_virtual_clock(run):
         out.update({f"hours_to_{target_name(t)}": hours_to(run, t, smooth) for t in targets})
         out["virtual_h"] = virtual_hours(run)

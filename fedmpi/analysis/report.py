@@ -25,11 +25,16 @@ from fedmpi.errors import UsageError
 # --columns choices, in display order; acc needs --at, rounds and hours need --target,
 # hours and vtime a run with the virtual clock.
 COLUMNS = ("acc", "window", "final", "best", "rounds", "hours", "traffic", "upload", "per_round",
-           "time", "vtime", "epsilon", "audit", "norm", "kappa", "rho", "probes")
+           "time", "vtime", "epsilon", "audit", "clients", "norm", "kappa", "rho", "probes")
 _NUMBER_COLUMNS = {"traffic": ("traffic_mb", "traffic MB"), "upload": ("upload_mb", "up MB"),
                    "per_round": ("mb_per_round", "MB/round"), "time": ("time_s", "time s"),
                    "kappa": ("kappa", "kappa"), "rho": ("rho", "rho"),
                    "epsilon": ("epsilon", "ε"), "audit": ("audit_epsilon", "audit ε")}
+# eval.clients: the per-client summaries, as the "clients" column shows them
+_CLIENT_HEADERS = {"client_acc_mean": "local %", "client_acc_worst10": "local w10 %",
+                   "personal_acc_mean": "FT %", "personal_acc_worst10": "FT w10 %",
+                   "holdout_acc_mean": "new %", "holdout_personal_acc_mean": "new FT %",
+                   "participation_gap": "part. gap %", "out_of_sample_gap": "o.o.s. gap %"}
 _NO_CLOCK = "set system_model.profiles = \"lognormal\" to run with one"
 
 
@@ -45,9 +50,10 @@ def report_table(runs, group_by=None, at=(), targets=(), smooth=None, columns=No
     rows = group_table(runs, keys, at, targets, smooth, windows, norm)
     probes = sorted((k[:-len("_mean")] for k in (rows[0] if rows else {})
                      if k.endswith("_mean") and is_probe(k[:-len("_mean")])), key=probe_order)
+    scored = [f for f in _CLIENT_HEADERS if rows and f + "_mean" in rows[0]]
     chosen = _choose(columns, at, targets, bool(probes), any(has_virtual_clock(run) for run in runs),
-                     any(_compressed(run) for run in runs), windows, _private(runs))
-    specs = _metric_specs(chosen, at, targets, probes, windows)
+                     any(_compressed(run) for run in runs), windows, _private(runs), bool(scored))
+    specs = _metric_specs(chosen, at, targets, probes, windows, scored)
     if fmt == "csv":
         return render.csv_table(rows, keys + ["status", "n", "seeds"] + [f for spec in specs for f in spec[2]])
     show_status = any(row["status"] != "completed" for row in rows)
@@ -108,7 +114,8 @@ def _compressed(run) -> bool:
 
 
 def _choose(columns, at, targets, probes: bool = False, clock: bool = False,
-            compressed: bool = False, windows=(), private=(False, False)) -> list[str]:
+            compressed: bool = False, windows=(), private=(False, False),
+            clients: bool = False) -> list[str]:
     """Chosen columns in display order; by default everything the options give numbers for
     (upload and per_round when a run compresses its messages; epsilon when one is private,
     audit when one was audited; norm only when asked for)."""
@@ -117,7 +124,8 @@ def _choose(columns, at, targets, probes: bool = False, clock: bool = False,
                 and c != "norm" and (c not in ("rounds", "hours") or targets)
                 and (c != "probes" or probes) and (c not in ("hours", "vtime") or clock)
                 and (c not in ("upload", "per_round") or compressed)
-                and (c != "epsilon" or private[0]) and (c != "audit" or private[1])]
+                and (c != "epsilon" or private[0]) and (c != "audit" or private[1])
+                and (c != "clients" or clients)]
     unknown = [c for c in columns if c not in COLUMNS]
     if unknown:
         raise UsageError(f"--columns: unknown column {unknown[0]!r}; allowed: {', '.join(COLUMNS)}")
@@ -135,11 +143,13 @@ def _choose(columns, at, targets, probes: bool = False, clock: bool = False,
     return [c for c in COLUMNS if c in columns]
 
 
-def _metric_specs(chosen, at, targets, probes=(), windows=()) -> list[tuple]:
+def _metric_specs(chosen, at, targets, probes=(), windows=(), scored=()) -> list[tuple]:
     """(header, row -> display cell, raw CSV fields) per displayed column."""
     specs = []
     for name in chosen:
-        if name == "probes":
+        if name == "clients":
+            specs += [_acc_spec(_CLIENT_HEADERS[f], f) for f in scored]
+        elif name == "probes":
             for field in probes:
                 if field == "effective_rank":
                     specs.append(("eff. rank", lambda row: render.stat(row["effective_rank_mean"],
@@ -226,6 +236,13 @@ def _notes(chosen, smooth, show_status, replicas=()) -> str:
     if units:
         ratio = " (FNR-FL; acc = final accuracy as a fraction)" if {"kappa", "rho"} & set(chosen) else ""
         notes.append("; ".join(units) + ratio)
+    if "clients" in chosen:
+        notes.append("per-client evaluation (eval.clients), at the last evaluation: local: the "
+                     "global model's accuracy on each client's local test split, mean over "
+                     "clients; w10: the mean of the worst 10% of clients; FT: after each "
+                     "client fine-tuned it (eval.client_finetune_epochs); new: held-out "
+                     "clients (clients.holdout); part. gap: local - new; o.o.s. gap: the "
+                     "training clients' accuracy on their training data - local")
     if "probes" in chosen:
         notes.append("probes of the final encoder (/eval): linear probe, fine-tuning on FT x% "
                      "labels, effective rank of the feature spectrum; test_acc is kNN accuracy")

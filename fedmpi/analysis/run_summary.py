@@ -35,6 +35,7 @@ def summarize(path) -> str:
     lines += _decay(config, attrs)
     lines.append(("rounds", _progress(rounds, config)))
     lines += _accuracy(rounds)
+    lines += _clients(rounds)
     lines += _traffic(rounds)
     lines += _ranks(attrs)
     lines += _timing(rounds)
@@ -153,6 +154,30 @@ def _accuracy(rounds: dict) -> list[tuple[str, str]]:
     start = f", initial {_pct(acc[initial[0]])} (round 0)" if initial else ""
     return [("test acc", f"final {_pct(acc[last])} (round {ids[last]}), "
                          f"best {_pct(acc[best])} (round {ids[best]}){start}")]
+
+
+def _clients(rounds: dict) -> list[tuple[str, str]]:
+    """eval.clients: the last evaluation's per-client summaries, one line per model."""
+    def last(field):
+        values = np.asarray(rounds.get(field, ()), dtype=float)
+        values = values[np.isfinite(values)]
+        return values[-1] if values.size else None
+
+    lines = []
+    for label, prefix in (("local test", "client"), ("  fine-tuned", "personal"),
+                          ("held-out", "holdout"), ("  fine-tuned", "holdout_personal")):
+        mean = last(f"{prefix}_acc_mean")
+        if mean is not None:
+            lines.append((label, f"mean {_pct(mean)} over clients, weighted "
+                                 f"{_pct(last(f'{prefix}_acc_weighted'))}, worst 10% "
+                                 f"{_pct(last(f'{prefix}_acc_worst10'))}, median "
+                                 f"{_pct(last(f'{prefix}_acc_p50'))}"))
+    if last("participation_gap") is not None:
+        lines.append(("gaps", f"participation {_pct(last('participation_gap'))}, out-of-sample "
+                              f"{_pct(last('out_of_sample_gap'))}"))
+    if lines:
+        lines[0] = (lines[0][0], lines[0][1] + f" ({int(last('clients_evaluated'))} clients)")
+    return lines
 
 
 def _pct(fraction: float) -> str:

@@ -62,6 +62,10 @@ class ClientsConfig:
                                        # round's stream until someone is in) | skip (the round
                                        # trains nobody: model and server state unchanged, the
                                        # round is still evaluated and its lr still counts)
+    holdout: float = 0.0               # fraction of the population's slots never sampled for
+                                       # training (keyed; at least 1 when > 0): scored by
+                                       # eval.clients as new clients (holdout_*, the
+                                       # participation and out-of-sample gaps); 0 = none
     replace_prob: float = 0.0          # dynamic population (FedACG Table 3): every replace_every
     replace_every: int = 0             # rounds each client is replaced with this probability by
                                        # a fresh one (new id, no state, fresh data); 0 = static

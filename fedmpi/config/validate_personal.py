@@ -15,6 +15,23 @@ def validate_personal(c: ExperimentConfig) -> None:
             or not 0 <= p.local_test < 1 or not math.isfinite(p.local_test):
         raise field_error("partition.local_test", f"must be a fraction in [0, 1) (0: no local "
                                                   f"test splits), got {p.local_test!r}")
+    h = c.clients.holdout
+    if isinstance(h, bool) or not isinstance(h, (int, float)) or not 0 <= h < 1:
+        raise field_error("clients.holdout", f"must be a fraction in [0, 1) (0: no held-out "
+                                             f"clients), got {h!r}")
+    if h and c.clients.num - held_out(c) < c.clients.per_round:
+        raise field_error("clients.holdout", f"holds out {held_out(c)} of clients.num = "
+                                             f"{c.clients.num}, fewer than clients.per_round = "
+                                             f"{c.clients.per_round} left to train")
+    if h and c.privacy.mechanism != "off":
+        raise field_error("clients.holdout", "the privacy accounting's sampling rate is "
+                                             "per_round / num over the whole population; "
+                                             "held-out clients are not supported with "
+                                             "[privacy] yet")
+    if h and c.system_model.profiles != "off" and c.system_model.policy in ("fedasync", "fedbuff"):
+        raise field_error("clients.holdout", "asynchronous rounds draw from the whole "
+                                             "population; held-out clients need a "
+                                             "synchronous system_model.policy")
     clients = e.clients
     if isinstance(clients, bool) or not (clients in ("none", "all") or isinstance(clients, int)):
         raise field_error("eval.clients", f'must be "none", "all" or a number of clients, got '
@@ -27,6 +44,9 @@ def validate_personal(c: ExperimentConfig) -> None:
         raise field_error("eval.client_finetune_epochs", f"must be an integer >= 0 (0: no "
                                                          f"fine-tuning), got {ft!r}")
     if clients == "none":
+        if h:
+            raise field_error("clients.holdout", 'held-out clients are only evaluated; needs '
+                                                 'eval.clients = "all" or N')
         if ft:
             raise field_error("eval.client_finetune_epochs", 'fine-tunes the evaluated clients; '
                                                              'needs eval.clients = "all" or N')
@@ -44,3 +64,9 @@ def validate_personal(c: ExperimentConfig) -> None:
     if skewed:
         raise field_error("eval.clients", f"a client's local test split is scored without its "
                                           f"feature skew; unset partition.{skewed[0]}")
+
+
+def held_out(c: ExperimentConfig) -> int:
+    """H: the slots ``clients.holdout`` keeps out of training (at least 1 when on)."""
+    h = c.clients.holdout
+    return max(1, round(h * c.clients.num)) if h else 0

@@ -14,10 +14,18 @@ ranks. Fine-tuning is per client (client k of the list on worker k mod W), from 
 stream keyed by (seed, round, client, "finetune"), plain SGD at ``train.lr`` and
 ``train.batch_size``; each worker's model is restored afterwards.
 
-Into the file: /client_eval rows (round, client, n_test, accuracy, loss, and with
-fine-tuning personal_accuracy, personal_loss) and per-round summaries in /rounds
-(``summary``): the mean over clients, the sample-weighted mean, the std, the 10th, 50th
-and 90th percentiles, the mean of the worst 10% of clients and the sample-weighted loss.
+Held-out clients (``clients.holdout``: slots never sampled for training) are scored the
+same way, apart: holdout_* summaries (and holdout_personal_* after fine-tuning), the
+participation gap (the training clients' mean local test accuracy minus the held-out
+clients') and the out-of-sample gap (the training clients' mean accuracy on their own
+training data minus that on their local test data), as Yuan et al. 2022 ("What do we
+mean by generalization in federated learning?") define them.
+
+Into the file: /client_eval rows (round, client, n_test, accuracy, loss; with
+fine-tuning personal_accuracy, personal_loss; with held-out clients held_out) and
+per-round summaries in /rounds (``summary``): the mean over clients, the sample-weighted
+mean, the std, the 10th, 50th and 90th percentiles, the mean of the worst 10% of clients
+and the sample-weighted loss.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from ..results.schema import CLIENT_EVAL_FIELDS, PERSONAL_EVAL_FIELDS
 from .rng import numpy_rng
 
 STATS = ("mean", "weighted", "std", "p10", "p50", "p90", "worst10")
+GAP_FIELDS = ("client_train_acc_mean", "participation_gap", "out_of_sample_gap")
 
 
 def summary_fields(prefix: str) -> list[str]:
@@ -60,15 +69,21 @@ class ClientTest:
     def __init__(self, config, split):
         self.config, self.split = config, split
         self.finetune = config.eval.client_finetune_epochs
+        self.holdout = bool(config.clients.holdout)
         self.slots = None
         if config.eval.clients != "all":   # the same N slots every evaluation
             rng = numpy_rng(config.seed, "eval-clients")
             self.slots = np.sort(rng.choice(config.clients.num, int(config.eval.clients),
                                             replace=False))
-        self.round_fields = ["clients_evaluated"] + summary_fields("client") + \
-            (summary_fields("personal") if self.finetune else [])
+        prefixes = ["client"] + (["personal"] if self.finetune else [])
+        if self.holdout:
+            prefixes += ["holdout"] + (["holdout_personal"] if self.finetune else [])
+        self.round_fields = ["clients_evaluated"] + \
+            [f for prefix in prefixes for f in summary_fields(prefix)] + \
+            (list(GAP_FIELDS) if self.holdout else [])
         self.table_fields = list(CLIENT_EVAL_FIELDS) + \
-            (list(PERSONAL_EVAL_FIELDS) if self.finetune else [])
+            (list(PERSONAL_EVAL_FIELDS) if self.finetune else []) + \
+            (["held_out"] if self.holdout else [])
 
     def clients(self, round_: int) -> np.ndarray:
         """The identities evaluated after ``round_`` rounds (round 0: the initial model)."""
@@ -79,63 +94,90 @@ class ClientTest:
     def evaluate(self, exp, timers, round_: int):
         """(the /rounds columns, the /client_eval rows) on the server; ({}, None) elsewhere."""
         t0 = time.perf_counter()
-        comm, ids = exp.comm, self.clients(round_)
-        sizes = self.split.test_sizes[ids]
-        union = np.concatenate([self.split.test_client(c) for c in ids]) if len(ids) else \
-            np.zeros(0, dtype=np.int64)
-        rows = np.zeros((0, 3))
-        personal = np.zeros((0, 4))
-        if comm.is_worker:
-            rows = _score_samples(exp, union, comm.worker_index, comm.num_workers)
-            if self.finetune:
-                personal = self._finetune(exp, ids, round_, comm.worker_index, comm.num_workers)
-        parts = comm.gatherv(rows.reshape(-1))
-        fine = comm.gatherv(personal.reshape(-1)) if self.finetune else None
+        split, ids = self.split, self.clients(round_)
+        held = split.held_out(ids)
+        test = _scores(exp, [split.test_client(c) for c in ids])
+        # clients.holdout: the training clients' accuracy on their own training data, for
+        # the out-of-sample gap (Yuan et al. 2022)
+        train = _scores(exp, [split.client(c) for c in ids[~held]]) if self.holdout else None
+        tuned = self._finetune(exp, ids, round_) if self.finetune else None
         timers.eval += time.perf_counter() - t0
-        if not comm.is_server:
+        if not exp.comm.is_server:
             return {}, None
-        scored = np.zeros((len(union), 2))
-        samples = np.concatenate(parts).reshape(-1, 3)
-        scored[samples[:, 0].astype(np.int64)] = samples[:, 1:]
-        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-        correct, loss = _per_client(scored[:, 0], starts), _per_client(scored[:, 1], starts)
-        n = sizes.astype(np.float64)
-        columns = {"clients_evaluated": float(len(ids)), **summary("client", correct, loss, n)}
+        n = split.test_sizes[ids].astype(np.float64)
+        sets = [("client", test, ~held)] + ([("personal", tuned, ~held)] if self.finetune else [])
+        if self.holdout:
+            sets += [("holdout", test, held)] + \
+                ([("holdout_personal", tuned, held)] if self.finetune else [])
+        columns = {"clients_evaluated": float(len(ids))}
+        for prefix, (correct, loss), which in sets:
+            columns.update(summary(prefix, correct[which], loss[which], n[which]))
+        if self.holdout:
+            sizes = split.sizes[ids[~held]].astype(np.float64)
+            fit = train[0] / np.maximum(sizes, 1)
+            columns["client_train_acc_mean"] = float(fit.mean()) if len(fit) else math.nan
+            columns["participation_gap"] = columns["client_acc_mean"] - columns["holdout_acc_mean"]
+            columns["out_of_sample_gap"] = columns["client_train_acc_mean"] - \
+                columns["client_acc_mean"]
         table = {"round": np.full(len(ids), round_, dtype=np.int64), "client": ids,
-                 "n_test": sizes, "accuracy": correct / np.maximum(n, 1),
-                 "loss": loss / np.maximum(n, 1)}
+                 "n_test": split.test_sizes[ids], "accuracy": test[0] / np.maximum(n, 1),
+                 "loss": test[1] / np.maximum(n, 1)}
         if self.finetune:
-            tuned = np.concatenate(fine).reshape(-1, 4)
-            tuned = tuned[np.argsort(tuned[:, 0], kind="stable")]
-            columns.update(summary("personal", tuned[:, 1], tuned[:, 2], n))
-            table.update(personal_accuracy=tuned[:, 1] / np.maximum(n, 1),
-                         personal_loss=tuned[:, 2] / np.maximum(n, 1))
+            table.update(personal_accuracy=tuned[0] / np.maximum(n, 1),
+                         personal_loss=tuned[1] / np.maximum(n, 1))
+        if self.holdout:
+            table["held_out"] = held.astype(np.int64)
         return columns, table
 
-    def _finetune(self, exp, ids, round_: int, worker: int, workers: int) -> np.ndarray:
-        """Rows (position, correct, loss sum, n) of this worker's clients after each has
-        fine-tuned the loaded global model (restored afterwards)."""
-        cfg, flat, data = self.config, exp.flat, exp.data
-        start = flat.params.detach().clone()
-        out = []
-        for k in range(worker, len(ids), workers):
-            c = int(ids[k])
+    def _finetune(self, exp, ids, round_: int):
+        """Server: each client's (correct, loss sum) on its test split after it fine-tuned
+        the loaded global model (client k of ``ids`` on worker k mod W; each worker's
+        model restored afterwards); None elsewhere."""
+        cfg, comm, flat, data = self.config, exp.comm, exp.flat, exp.data
+        rows = []
+        if comm.is_worker:
+            start = flat.params.detach().clone()
+            for k in range(comm.worker_index, len(ids), comm.num_workers):
+                c = int(ids[k])
+                flat.load(start)
+                train = data.client(self.split.client(c), cfg.seed, round_, c, 0,
+                                    stream="finetune")
+                _sgd(flat, train.batches(self.finetune, cfg.train.batch_size), cfg.train.lr,
+                     exp.autocast)
+                scored = _score_samples(exp, self.split.test_client(c), 0, 1)
+                rows.append((k, scored[:, 1].sum(), scored[:, 2].sum()))
             flat.load(start)
-            train = data.client(self.split.client(c), cfg.seed, round_, c, 0, stream="finetune")
-            _sgd(flat, train.batches(self.finetune, cfg.train.batch_size), cfg.train.lr,
-                 exp.autocast)
-            tests = self.split.test_client(c)
-            scored = _score_samples(exp, tests, 0, 1)
-            out.append((k, scored[:, 1].sum(), scored[:, 2].sum(), len(tests)))
-        flat.load(start)
-        return np.asarray(out, dtype=np.float64).reshape(-1, 4)
+        parts = comm.gatherv(np.asarray(rows, dtype=np.float64).reshape(-1))
+        if not comm.is_server:
+            return None
+        tuned = np.concatenate(parts).reshape(-1, 3)
+        tuned = tuned[np.argsort(tuned[:, 0], kind="stable")]
+        return tuned[:, 1], tuned[:, 2]
 
 
-def _per_client(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
-    """Sums of consecutive runs of ``values`` (each client's samples), in sample order."""
-    if not len(starts):
-        return np.zeros(0)
-    return np.add.reduceat(values, starts) if len(values) else np.zeros(len(starts))
+def _scores(exp, sets: list[np.ndarray]):
+    """Server: each set's (correct, loss sum) under the loaded model, from one pass over
+    their union in fixed chunks sharded over the workers (``_score_samples``), summed per
+    set in sample order; None elsewhere."""
+    comm = exp.comm
+    sizes = np.asarray([len(s) for s in sets], dtype=np.int64)
+    union = np.concatenate(sets) if sets else np.zeros(0, dtype=np.int64)
+    rows = _score_samples(exp, union, comm.worker_index, comm.num_workers) if comm.is_worker \
+        else np.zeros((0, 3))
+    parts = comm.gatherv(rows.reshape(-1))
+    if not comm.is_server:
+        return None
+    scored = np.zeros((len(union), 2))
+    samples = np.concatenate(parts).reshape(-1, 3)
+    scored[samples[:, 0].astype(np.int64)] = samples[:, 1:]
+    return _per_client(scored[:, 0], sizes), _per_client(scored[:, 1], sizes)
+
+
+def _per_client(values: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """Sums of consecutive runs of ``values``, of lengths ``sizes`` (a run may be empty),
+    each in sample order."""
+    owner = np.repeat(np.arange(len(sizes)), sizes)
+    return np.bincount(owner, weights=values, minlength=len(sizes)).astype(np.float64)
 
 
 @torch.no_grad()

@@ -51,6 +51,8 @@ class FederatedSplit(Partition):
     # test_offsets[c + 1]] (training set ids, taken out of its training samples); None: none
     test_offsets: np.ndarray | None = None
     test_indices: np.ndarray | None = None
+    # clients.holdout: the slots never sampled for training (ascending; empty: none)
+    holdout: np.ndarray | None = None
 
     @property
     def num_identities(self) -> int:
@@ -97,7 +99,14 @@ class FederatedSplit(Partition):
                 **({} if self.test_offsets is None else
                    {"local_test_offsets": self.test_offsets,
                     "local_test_indices": self.test_indices,
-                    "local_test_sizes": self.test_sizes})}
+                    "local_test_sizes": self.test_sizes}),
+                **({} if self.holdout is None else {"holdout_slots": self.holdout})}
+
+    def held_out(self, identities: np.ndarray) -> np.ndarray:
+        """Whether each identity fills a held-out slot (bool)."""
+        if self.holdout is None:
+            return np.zeros(len(identities), dtype=bool)
+        return np.isin(self.identity_slot[identities], self.holdout)
 
 
 def federate(config, dataset) -> FederatedSplit:
@@ -125,6 +134,10 @@ def federate(config, dataset) -> FederatedSplit:
     bright, sat = _colour(config, len(slots))
     split = FederatedSplit(offsets, indices, public, population, config.clients.replace_every,
                            slots, stages, noise, bright, sat, blocks)
+    if config.clients.holdout:
+        from ..config.validate_personal import held_out   # deferred: config imports runtime
+        split.holdout = np.sort(numpy_rng(config.seed, "holdout").choice(
+            n, held_out(config), replace=False)).astype(np.int64)
     if config.partition.local_test:
         split.offsets, split.indices, split.test_offsets, split.test_indices = local_test_split(
             offsets, indices, labels, config.partition.local_test, config.seed)

@@ -67,6 +67,8 @@ class Sync:
         cfg, c = self.config, self.config.clients
         sizes = self.sizes[self.split.active(t)] if c.sampling == "size" else None
         pool = self.pool(t)
+        if self.split.holdout is not None:   # clients.holdout: never drawn for training
+            pool = np.setdiff1d(np.arange(c.num) if pool is None else pool, self.split.holdout)
         if pool is None:
             slots = sample_clients(cfg.seed, t, c.num, self.per_round(), c.sampling, sizes=sizes,
                                    empty=c.empty_rounds)
