@@ -225,6 +225,9 @@ def test_a_resumed_run_has_the_same_client_rows(tmp_path):
     ({"clients": {**TINY["clients"], "holdout": 0.1},
       "privacy": {"mechanism": "central", "noise_multiplier": 1.0}},
      "clients.holdout: the privacy accounting's sampling rate is per_round / num"),
+    ({"clients": {**TINY["clients"], "holdout": 0.1},
+      "system_model": {"profiles": "lognormal", "policy": "fedbuff"}},
+     "clients.holdout: asynchronous rounds draw from the whole population"),
     ({"algorithm": {"name": "fedsimclr"}, "model": {**TINY["model"], "proj_dim": 8}},
      "eval.clients: scores a classifier on each client's test split; algorithm 'fedsimclr'"),
 ])
