@@ -199,6 +199,9 @@ class Algorithm:
     diagnostic_fields: ClassVar[tuple[str, ...]] = ()   # names ``diagnostics`` returns
     supervised: ClassVar[bool] = True   # False: the ``SelfSupervised`` mixin
     needs_public: ClassVar[bool] = False   # True: refused at config time without data.public_size
+    # True: each client has a model of its own (``personal_params``), which per-client
+    # evaluation (eval.clients) scores as personal_* (fedmpi.runtime.client_eval)
+    personalised: ClassVar[bool] = False
     # Why the method's formulas hold only for SGD local steps (SCAFFOLD's K eta_l), "" when
     # any local optimizer serves: train.optimizer = "adam" is refused at config time with
     # this reason (fedmpi.config.validate), for the method, its subclasses, and a method
@@ -285,6 +288,12 @@ class Algorithm:
         """True in a phase whose ``delta`` the runtime sums with pairwise weights: the
         ``GramAggregation`` mixin."""
         return False
+
+    def personal_params(self, client_state, x: torch.Tensor) -> torch.Tensor:
+        """A client's personalised model (flat, storage order) from its state (this
+        algorithm's entries, on the device; zeros for a client never trained) and ``x``,
+        the global model ``eval_params`` gives; only for ``personalised`` methods."""
+        return x
 
     def eval_params(self, state) -> torch.Tensor:
         return state["x"]

@@ -32,8 +32,8 @@ _NUMBER_COLUMNS = {"traffic": ("traffic_mb", "traffic MB"), "upload": ("upload_m
                    "epsilon": ("epsilon", "ε"), "audit": ("audit_epsilon", "audit ε")}
 # eval.clients: the per-client summaries, as the "clients" column shows them
 _CLIENT_HEADERS = {"client_acc_mean": "local %", "client_acc_worst10": "local w10 %",
-                   "personal_acc_mean": "FT %", "personal_acc_worst10": "FT w10 %",
-                   "holdout_acc_mean": "new %", "holdout_personal_acc_mean": "new FT %",
+                   "personal_acc_mean": "pers. %", "personal_acc_worst10": "pers. w10 %",
+                   "holdout_acc_mean": "new %", "holdout_personal_acc_mean": "new pers. %",
                    "participation_gap": "part. gap %", "out_of_sample_gap": "o.o.s. gap %"}
 _NO_CLOCK = "set system_model.profiles = \"lognormal\" to run with one"
 
@@ -239,8 +239,9 @@ def _notes(chosen, smooth, show_status, replicas=()) -> str:
     if "clients" in chosen:
         notes.append("per-client evaluation (eval.clients), at the last evaluation: local: the "
                      "global model's accuracy on each client's local test split, mean over "
-                     "clients; w10: the mean of the worst 10% of clients; FT: after each "
-                     "client fine-tuned it (eval.client_finetune_epochs); new: held-out "
+                     "clients; w10: the mean of the worst 10% of clients; pers.: each "
+                     "client's personal model (a personalised method's own, else the global "
+                     "one) after eval.client_finetune_epochs of fine-tuning; new: held-out "
                      "clients (clients.holdout); part. gap: local - new; o.o.s. gap: the "
                      "training clients' accuracy on their training data - local")
     if "probes" in chosen:

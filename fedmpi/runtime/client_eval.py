@@ -1,9 +1,11 @@
 """Per-client evaluation (``eval.clients``): an evaluator stage that scores every client
 (or a keyed sample of N) on its local test split (``partition.local_test``) on every
 evaluation round, not only the clients that just trained (which would bias the scores
-toward them), and, with ``eval.client_finetune_epochs``, again after each has fine-tuned
-the global model on its local training data (FedAvg-FT, the baseline personalised
-methods must beat; every method gets the same budget).
+toward them), and again on its personal model: a personalised method's own
+(``Algorithm.personal_params``; Ditto's v_i) or the global one, fine-tuned first for
+``eval.client_finetune_epochs`` on its local training data (with the global model:
+FedAvg-FT, the baseline personalised methods must beat; every method gets the same
+budget).
 
 The clients evaluated at round t are the population's identities (the sampled slots for
 N) that hold at least one local test sample, ascending. The global model's scores are
@@ -66,23 +68,26 @@ class ClientTest:
 
     table = "client_eval"
 
-    def __init__(self, config, split):
-        self.config, self.split = config, split
+    def __init__(self, config, split, alg):
+        self.config, self.split, self.alg = config, split, alg
         self.finetune = config.eval.client_finetune_epochs
+        # the personal scores: each client's own model (a personalised method's) or the
+        # global one, then fine-tuned for eval.client_finetune_epochs
+        self.personal = bool(self.finetune) or alg.personalised
         self.holdout = bool(config.clients.holdout)
         self.slots = None
         if config.eval.clients != "all":   # the same N slots every evaluation
             rng = numpy_rng(config.seed, "eval-clients")
             self.slots = np.sort(rng.choice(config.clients.num, int(config.eval.clients),
                                             replace=False))
-        prefixes = ["client"] + (["personal"] if self.finetune else [])
+        prefixes = ["client"] + (["personal"] if self.personal else [])
         if self.holdout:
-            prefixes += ["holdout"] + (["holdout_personal"] if self.finetune else [])
+            prefixes += ["holdout"] + (["holdout_personal"] if self.personal else [])
         self.round_fields = ["clients_evaluated"] + \
             [f for prefix in prefixes for f in summary_fields(prefix)] + \
             (list(GAP_FIELDS) if self.holdout else [])
         self.table_fields = list(CLIENT_EVAL_FIELDS) + \
-            (list(PERSONAL_EVAL_FIELDS) if self.finetune else []) + \
+            (list(PERSONAL_EVAL_FIELDS) if self.personal else []) + \
             (["held_out"] if self.holdout else [])
 
     def clients(self, round_: int) -> np.ndarray:
@@ -100,15 +105,15 @@ class ClientTest:
         # clients.holdout: the training clients' accuracy on their own training data, for
         # the out-of-sample gap (Yuan et al. 2022)
         train = _scores(exp, [split.client(c) for c in ids[~held]]) if self.holdout else None
-        tuned = self._finetune(exp, ids, round_) if self.finetune else None
+        tuned = self._personal(exp, ids, round_) if self.personal else None
         timers.eval += time.perf_counter() - t0
         if not exp.comm.is_server:
             return {}, None
         n = split.test_sizes[ids].astype(np.float64)
-        sets = [("client", test, ~held)] + ([("personal", tuned, ~held)] if self.finetune else [])
+        sets = [("client", test, ~held)] + ([("personal", tuned, ~held)] if self.personal else [])
         if self.holdout:
             sets += [("holdout", test, held)] + \
-                ([("holdout_personal", tuned, held)] if self.finetune else [])
+                ([("holdout_personal", tuned, held)] if self.personal else [])
         columns = {"clients_evaluated": float(len(ids))}
         for prefix, (correct, loss), which in sets:
             columns.update(summary(prefix, correct[which], loss[which], n[which]))
@@ -122,28 +127,34 @@ class ClientTest:
         table = {"round": np.full(len(ids), round_, dtype=np.int64), "client": ids,
                  "n_test": split.test_sizes[ids], "accuracy": test[0] / np.maximum(n, 1),
                  "loss": test[1] / np.maximum(n, 1)}
-        if self.finetune:
+        if self.personal:
             table.update(personal_accuracy=tuned[0] / np.maximum(n, 1),
                          personal_loss=tuned[1] / np.maximum(n, 1))
         if self.holdout:
             table["held_out"] = held.astype(np.int64)
         return columns, table
 
-    def _finetune(self, exp, ids, round_: int):
-        """Server: each client's (correct, loss sum) on its test split after it fine-tuned
-        the loaded global model (client k of ``ids`` on worker k mod W; each worker's
-        model restored afterwards); None elsewhere."""
+    def _personal(self, exp, ids, round_: int):
+        """Server: each client's (correct, loss sum) on its test split under its personal
+        model: its own (``alg.personal_params`` of its state, which the server's store
+        sends to the worker scoring it) or the loaded global one, fine-tuned for
+        ``eval.client_finetune_epochs`` (client k of ``ids`` on worker k mod W; each
+        worker's model restored afterwards); None elsewhere."""
         cfg, comm, flat, data = self.config, exp.comm, exp.flat, exp.data
+        states = self._states(exp, ids) if self.alg.personalised else {}
         rows = []
         if comm.is_worker:
             start = flat.params.detach().clone()
             for k in range(comm.worker_index, len(ids), comm.num_workers):
                 c = int(ids[k])
-                flat.load(start)
-                train = data.client(self.split.client(c), cfg.seed, round_, c, 0,
-                                    stream="finetune")
-                _sgd(flat, train.batches(self.finetune, cfg.train.batch_size), cfg.train.lr,
-                     exp.autocast)
+                flat.load(start if c not in states else self.alg.personal_params(
+                    {n: torch.from_numpy(v).to(start.device) for n, v in states[c].items()},
+                    start))
+                if self.finetune:
+                    train = data.client(self.split.client(c), cfg.seed, round_, c, 0,
+                                        stream="finetune")
+                    _sgd(flat, train.batches(self.finetune, cfg.train.batch_size),
+                         cfg.train.lr, exp.autocast)
                 scored = _score_samples(exp, self.split.test_client(c), 0, 1)
                 rows.append((k, scored[:, 1].sum(), scored[:, 2].sum()))
             flat.load(start)
@@ -153,6 +164,17 @@ class ClientTest:
         tuned = np.concatenate(parts).reshape(-1, 3)
         tuned = tuned[np.argsort(tuned[:, 0], kind="stable")]
         return tuned[:, 1], tuned[:, 2]
+
+    def _states(self, exp, ids) -> dict:
+        """Worker: the algorithm's state of each client it scores (client k of ``ids`` on
+        worker k mod W), from the server's store (zeros for a client never trained)."""
+        comm, own = exp.comm, exp.phases.alg_states
+        parts = None
+        if comm.is_server:
+            per_worker = [{int(c): {n: v for n, v in exp.store.get(int(c)).items() if n in own}
+                           for c in ids[w::comm.num_workers]} for w in range(comm.num_workers)]
+            parts = per_worker if comm.size == 1 else [{}] + per_worker
+        return comm.scatter_obj(parts)
 
 
 def _scores(exp, sets: list[np.ndarray]):

@@ -95,6 +95,6 @@ def evaluator(alg, config=None, split=None) -> Evaluation:
     """The run's evaluator stages: the global one by what the method learns, then the
     per-client one where ``eval.clients`` asks for it."""
     from .client_eval import ClientTest   # deferred: it imports the results schema
-    stages = [ClientTest(config, split)] if config is not None and \
+    stages = [ClientTest(config, split, alg)] if config is not None and \
         config.eval.clients != "none" else []
     return Evaluation(GlobalTest() if alg.supervised else KNN(), stages)
