@@ -66,3 +66,17 @@ def test_a_resumed_ditto_run_has_the_same_personal_scores(tmp_path):
         assert np.array_equal(ref.model(), resumed.model())
         for name, column in ref.client_eval().items():
             assert np.array_equal(column, resumed.client_eval()[name]), name
+
+
+@pytest.mark.parametrize("over, message", [
+    ({"algorithm": {"name": "ditto", "lam": -1.0}}, "algorithm.lam: must be >= 0, got -1.0"),
+    ({"algorithm": {"name": "ditto"}, "system": {**TINY["system"], "client_group": 2}},
+     "system.client_group: algorithm 'ditto' has no group form of its local update yet"),
+])
+def test_what_ditto_cannot_take_is_refused(over, message):
+    import re
+
+    from fedmpi import config as cfg
+    from fedmpi.errors import UsageError
+    with pytest.raises(UsageError, match=re.escape(message)):
+        cfg.from_dict(merged(TINY, **over))
