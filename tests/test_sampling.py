@@ -97,6 +97,8 @@ def test_size_weights_are_the_sample_counts_of_who_holds_the_slots():
     population = np.array([[0, 1, 2, 3], [4, 5, 2, 3]])   # slots 0, 1 replaced in stage 1
 
     class Split:
+        holdout = None   # clients.holdout: no slot held out
+
         def active(self, t):
             return population[min(t // 10, 1)]
 

@@ -46,7 +46,7 @@ class Ditto(FedAvg):
     def local_update(self, task, payload, client_state, ctx):
         x = payload["x"]
         upload = local_sgd.local_update(task, x, ctx)          # the global model: FedAvg's
-        started = bool(client_state["started"][0])
+        started = bool(client_state["started"][0])   # host sync: once a client, not a step
         task.model.load(client_state["v"] if started else x)
         lam = self.params.lam
         local_sgd.train(task, ctx, proximal(lam, x) if lam else None)
@@ -55,4 +55,5 @@ class Ditto(FedAvg):
         return upload
 
     def personal_params(self, client_state, x):
-        return client_state["v"] if bool(client_state["started"][0]) else x
+        started = bool(client_state["started"][0])   # host sync: once a client, at evaluation
+        return client_state["v"] if started else x
