@@ -72,9 +72,9 @@ def run_file(tmp_path: Path, name: str, values: dict):
     return RunFile(path)
 
 
-def assert_same_on_3_ranks(tmp_path: Path, values: dict, columns=()) -> None:
-    """``values`` under ``mpirun -n 3`` and in this process: the final models and these
-    /rounds columns bit for bit the same."""
+def assert_same_on_3_ranks(tmp_path: Path, values: dict, columns=(), client_eval=False) -> None:
+    """``values`` under ``mpirun -n 3`` and in this process: the final models, these
+    /rounds columns and (``client_eval``) every /client_eval column bit for bit the same."""
     import numpy as np
 
     from conftest import mpirun
@@ -87,6 +87,10 @@ def assert_same_on_3_ranks(tmp_path: Path, values: dict, columns=()) -> None:
         assert np.array_equal(a.model(), b.model())
         for name in columns:
             assert np.array_equal(a.rounds()[name], b.rounds()[name], equal_nan=True), name
+        if client_eval:
+            rows = b.client_eval()
+            for name, column in a.client_eval().items():
+                assert np.array_equal(column, rows[name], equal_nan=True), name
 
 
 def run_and_resume(values: dict, tmp_path: Path):

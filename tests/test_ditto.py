@@ -8,8 +8,8 @@ import pytest
 
 from fedmpi.results import RunFile
 
-from conftest import mpirun_configs, needs_mpi
-from helpers import TINY, merged, run_and_resume, run_file
+from conftest import needs_mpi
+from helpers import TINY, assert_same_on_3_ranks, merged, run_and_resume, run_file
 
 SPLIT = merged(TINY, partition={**TINY["partition"], "local_test": 0.25},
                eval={**TINY["eval"], "clients": "all"})
@@ -52,12 +52,7 @@ def test_lambda_0_on_a_first_participation_is_the_local_model_fedavg_trains(tmp_
 @pytest.mark.slow
 @needs_mpi
 def test_ditto_is_bitwise_the_same_for_1_and_3_ranks(tmp_path):
-    values = merged(DITTO, system=DETERMINISTIC)
-    path = mpirun_configs(3, {"n3": values}, tmp_path)["n3"]
-    with run_file(tmp_path, "one", values) as a, RunFile(path) as b:
-        assert np.array_equal(a.model(), b.model())
-        for name, column in a.client_eval().items():
-            assert np.array_equal(column, b.client_eval()[name]), name
+    assert_same_on_3_ranks(tmp_path, merged(DITTO, system=DETERMINISTIC), client_eval=True)
 
 
 def test_a_resumed_ditto_run_has_the_same_personal_scores(tmp_path):
