@@ -276,9 +276,9 @@ def summary(run, at=(), targets=(), smooth: float | None = None, windows=(),
     out.update(traffic_mb=total_traffic_mb(run), upload_mb=upload_mb(run),
                mb_per_round=traffic_per_round_mb(run), time_s=wall_time(run), kappa=kappa(run),
                rho=rho(run))
-    if "epsilon" in _rounds(run):      # a private run: what its accountant and audit say
-        out.update(epsilon=last_value(run, "epsilon"), audit_epsilon=last_value(run, "audit_epsilon"))
     rounds = _rounds(run)
+    if "epsilon" in rounds:      # a private run: what its accountant and audit say
+        out.update(epsilon=last_value(run, "epsilon"), audit_epsilon=last_value(run, "audit_epsilon"))
     out.update({f: last_value(run, f) for f in CLIENT_SUMMARY if f in rounds})   # eval.clients
     if has_virtual_clock(run):
         out.update({f"hours_to_{target_name(t)}": hours_to(run, t, smooth) for t in targets})
