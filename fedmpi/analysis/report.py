@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 
 from fedmpi.analysis import render
-from fedmpi.analysis.metrics import has_virtual_clock, target_name, window_name
+from fedmpi.analysis.metrics import CLIENT_SUMMARY, has_virtual_clock, target_name, window_name
 # summarize lived here before run_summary; importing it from here still works
 from fedmpi.analysis.run_summary import is_probe, probe_order, summarize  # noqa: F401
 from fedmpi.analysis.tables import confounds, group_keys, group_table
@@ -31,10 +31,9 @@ _NUMBER_COLUMNS = {"traffic": ("traffic_mb", "traffic MB"), "upload": ("upload_m
                    "kappa": ("kappa", "kappa"), "rho": ("rho", "rho"),
                    "epsilon": ("epsilon", "ε"), "audit": ("audit_epsilon", "audit ε")}
 # eval.clients: the per-client summaries, as the "clients" column shows them
-_CLIENT_HEADERS = {"client_acc_mean": "local %", "client_acc_worst10": "local w10 %",
-                   "personal_acc_mean": "pers. %", "personal_acc_worst10": "pers. w10 %",
-                   "holdout_acc_mean": "new %", "holdout_personal_acc_mean": "new pers. %",
-                   "participation_gap": "part. gap %", "out_of_sample_gap": "o.o.s. gap %"}
+_CLIENT_HEADERS = dict(zip(CLIENT_SUMMARY, (
+    "local %", "local w10 %", "pers. %", "pers. w10 %", "new %", "new pers. %",
+    "part. gap %", "o.o.s. gap %")))
 _NO_CLOCK = "set system_model.profiles = \"lognormal\" to run with one"
 
 

@@ -7,6 +7,7 @@ import math
 
 from .coerce import INT_MAX, field_error
 from .schema import ExperimentConfig
+from .vocab import ASYNC_MODES
 
 
 def validate_personal(c: ExperimentConfig) -> None:
@@ -28,7 +29,7 @@ def validate_personal(c: ExperimentConfig) -> None:
                                              "per_round / num over the whole population; "
                                              "held-out clients are not supported with "
                                              "[privacy] yet")
-    if h and c.system_model.profiles != "off" and c.system_model.policy in ("fedasync", "fedbuff"):
+    if h and c.system_model.profiles != "off" and c.system_model.policy in ASYNC_MODES:
         raise field_error("clients.holdout", "asynchronous rounds draw from the whole "
                                              "population; held-out clients need a "
                                              "synchronous system_model.policy")

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..algorithms.local_sgd import sgd_step
 from ..results.schema import CLIENT_EVAL_FIELDS, PERSONAL_EVAL_FIELDS
 from .rng import numpy_rng
 
@@ -168,13 +169,9 @@ class ClientTest:
     def _states(self, exp, ids) -> dict:
         """Worker: the algorithm's state of each client it scores (client k of ``ids`` on
         worker k mod W), from the server's store (zeros for a client never trained)."""
-        comm, own = exp.comm, exp.phases.alg_states
-        parts = None
-        if comm.is_server:
-            per_worker = [{int(c): {n: v for n, v in exp.store.get(int(c)).items() if n in own}
-                           for c in ids[w::comm.num_workers]} for w in range(comm.num_workers)]
-            parts = per_worker if comm.size == 1 else [{}] + per_worker
-        return comm.scatter_obj(parts)
+        workers, own = exp.comm.num_workers, exp.phases.alg_states
+        states = exp.phases.scatter_states([ids[w::workers] for w in range(workers)])
+        return {int(c): {n: v for n, v in state.items() if n in own} for c, state in states.items()}
 
 
 def _scores(exp, sets: list[np.ndarray]):
@@ -234,5 +231,4 @@ def _sgd(flat, batches, lr: float, autocast=None) -> None:
         with torch.autocast(x.device.type, dtype=autocast, enabled=autocast is not None):
             loss = F.cross_entropy(module(x).float(), y)
         loss.backward()
-        with torch.no_grad():
-            params.sub_(flat.grads, alpha=lr)
+        sgd_step(params, flat.grads, lr, 0.0, 0.0)

@@ -49,6 +49,7 @@ class Sync:
 
     def __init__(self, config, split, sizes: np.ndarray):
         self.config, self.split, self.sizes = config, split, sizes
+        self._training = None   # clients.holdout: the slots that may train (training_slots)
 
     @classmethod
     def refuse(cls, config) -> None:
@@ -57,6 +58,12 @@ class Sync:
 
     def per_round(self) -> int:
         return self.config.clients.per_round
+
+    def training_slots(self) -> np.ndarray:
+        """clients.holdout: the slots that may train (computed once)."""
+        if self._training is None:
+            self._training = np.setdiff1d(np.arange(self.config.clients.num), self.split.holdout)
+        return self._training
 
     def pool(self, t: int) -> np.ndarray | None:
         """The slots that may be drawn in round t, or None: all of them."""
@@ -68,7 +75,8 @@ class Sync:
         sizes = self.sizes[self.split.active(t)] if c.sampling == "size" else None
         pool = self.pool(t)
         if self.split.holdout is not None:   # clients.holdout: never drawn for training
-            pool = np.setdiff1d(np.arange(c.num) if pool is None else pool, self.split.holdout)
+            pool = self.training_slots() if pool is None else \
+                np.setdiff1d(pool, self.split.holdout, assume_unique=True)
         if pool is None:
             slots = sample_clients(cfg.seed, t, c.num, self.per_round(), c.sampling, sizes=sizes,
                                    empty=c.empty_rounds)
