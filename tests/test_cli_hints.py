@@ -70,7 +70,7 @@ def test_a_config_file_after_a_bare_set_is_not_taken_for_its_value(tmp_path):
     ("model.name=cnnn", "model.name must be one of 'cnn', 'resnet18', 'vgg11', 'lstm', '2nn', 'mlp', "
                         "got 'cnnn' (did you mean 'cnn'?)"),
     ("model.hiden=8", "model.hiden is not an option of model 'cnn' (did you mean 'hidden'?); "
-                      "allowed: hidden, channels, padding, proj_dim"),
+                      "allowed: hidden, channels, padding, norm, proj_dim"),
 ])
 def test_an_unknown_key_or_name_gets_the_one_meant(override, says):
     with pytest.raises(UsageError) as caught:

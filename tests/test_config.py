@@ -17,7 +17,8 @@ def test_overrides_take_precedence_and_are_typed():
                                "system.deterministic=true"])
     assert c.train.lr == 0.2 and c.rounds == 3 and c.data.dataset == "synthetic"
     assert c.algorithm.params == {"mu": 0.5}
-    assert c.model.options == {"hidden": 64, "channels": (32, 64), "padding": "valid"}  # defaults filled in
+    assert c.model.options == {"hidden": 64, "channels": (32, 64), "padding": "valid",
+                               "norm": "none"}  # defaults filled in
     assert c.system.deterministic is True
 
 

@@ -170,7 +170,8 @@ def test_channels_last_gives_the_same_outputs():
 def test_model_options_lists_defaults_that_build_the_default_model():
     assert set(MODELS) == {"cnn", "resnet18", "vgg11", "lstm", "mlp", "2nn"}
     assert model_options("2nn") == {"hidden": (200, 200)}
-    assert model_options("cnn") == {"hidden": 512, "channels": (32, 64), "padding": "valid"}
+    assert model_options("cnn") == {"hidden": 512, "channels": (32, 64), "padding": "valid",
+                                    "norm": "none"}
     assert model_options("resnet18") == {"num_groups": 2, "stem": "cifar"}
     assert model_options("vgg11") == {"norm": "none", "num_groups": 2, "dropout": 0.5}
     for name in MODELS:

@@ -103,7 +103,8 @@ def cases() -> dict[str, tuple[str, list[str]]]:
         if any(preset == name or preset.startswith(name + "_") for preset in found):
             continue   # run on its own preset already
         base = "default" if cls.supervised else SSL_BASE
-        extra = ["model.proj_dim=16"] if name == "moon" else []   # MOON's projection head
+        extra = {"moon": ["model.proj_dim=16"],          # MOON's projection head
+                 "fedbn": ['model.norm="batch"']}.get(name, [])   # FedBN's private layers
         # the base's parameters this algorithm also takes (the SSL heads), given explicitly:
         # a new algorithm.name alone would drop them (fedmpi.config.sources)
         takes = {f.name for f in dataclasses.fields(cls.Params)}

@@ -207,6 +207,9 @@ class Algorithm:
     # this reason (fedmpi.config.validate), for the method, its subclasses, and a method
     # built over it (FNR-FL's base).
     local_sgd_only: ClassVar[str] = ""
+    # False: the layers ``private_layers`` names stay at the initial model's values and
+    # need no per-client state (FedBABU's frozen head); True: each client keeps its own
+    private_state: ClassVar[bool] = True
 
     def __init__(self, params: Params | None = None):
         self.params = params if params is not None else self.Params()
@@ -294,6 +297,12 @@ class Algorithm:
         algorithm's entries, on the device; zeros for a client never trained) and ``x``,
         the global model ``eval_params`` gives; only for ``personalised`` methods."""
         return x
+
+    def private_layers(self, module) -> list[str]:
+        """The layers of ``module`` (module names) that never travel: each client keeps
+        its own (fedmpi.runtime.partial), the payload and the upload carry only the
+        others. Only for a method with FedAvg's server side (``fedavg_server_side``)."""
+        return []
 
     def eval_params(self, state) -> torch.Tensor:
         return state["x"]

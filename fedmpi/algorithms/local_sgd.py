@@ -22,6 +22,7 @@ Methods whose formulas assume SGD steps refuse it at config time
 from __future__ import annotations
 
 import copy
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -176,9 +177,13 @@ def loss_gradient(task: ClientTask, x, y, loss_fn) -> torch.Tensor:
 
 def train(task: ClientTask, ctx: RoundContext, correction: Correction | None = None,
           loss_fn: Callable | None = None,
-          gradient_fn: GradientFn | None = None, batches=None) -> tuple[float, int]:
+          gradient_fn: GradientFn | None = None, batches=None,
+          trainable: tuple[int, int] | None = None) -> tuple[float, int]:
     """Run E local epochs from the model's current parameters (``batches``: another
     source of (x, y) than ``task.data.batches``, e.g. self-supervised view pairs).
+    ``trainable``: the run of parameter coordinates the steps move (FedRep's head or
+    body, FedBABU's body); the others are frozen (no gradient, no weight decay, and no
+    backward through layers below every trainable one).
 
     Returns (mean training loss over steps, number of steps). The loss is accumulated on
     the device and read once, so a GPU never synchronises inside the loop.
@@ -194,22 +199,44 @@ def train(task: ClientTask, ctx: RoundContext, correction: Correction | None = N
     if batches is None:
         batches = task.data.batches(ctx.local_epochs, ctx.batch_size)
     lrs = step_lrs(task, ctx)
-    velocity = torch.zeros_like(flat.grads) if ctx.momentum else None
-    adam = AdamMoments(flat.grads) if ctx.optimizer == "adam" else None
-    for x, y in batches:
-        loss = gradient_fn(task, x, y, loss_fn)
-        if correction is not None:
-            correction(flat.grads, flat.params[:flat.num_params])
-        lr = ctx.lr if lrs is None else lrs[min(steps, len(lrs) - 1)]
-        if adam is None:
-            sgd_step(flat.params[:flat.num_params], flat.grads, lr, ctx.weight_decay,
-                     ctx.grad_clip, velocity, ctx.momentum, ctx.nesterov)
-        else:
-            adam_step(flat.params[:flat.num_params], flat.grads, lr, ctx.weight_decay,
-                      ctx.grad_clip, adam, ctx.adam_betas, ctx.adam_eps)
-        total += loss.detach()
-        steps += 1
+    lo, hi = trainable or (0, flat.num_params)
+    params, grads = flat.params[lo:hi], flat.grads[lo:hi]
+    velocity = torch.zeros_like(grads) if ctx.momentum else None
+    adam = AdamMoments(grads) if ctx.optimizer == "adam" else None
+    with frozen_outside(flat, trainable):
+        for x, y in batches:
+            loss = gradient_fn(task, x, y, loss_fn)
+            if correction is not None:
+                correction(flat.grads, flat.params[:flat.num_params])
+            lr = ctx.lr if lrs is None else lrs[min(steps, len(lrs) - 1)]
+            if adam is None:
+                sgd_step(params, grads, lr, ctx.weight_decay, ctx.grad_clip, velocity,
+                         ctx.momentum, ctx.nesterov)
+            else:
+                adam_step(params, grads, lr, ctx.weight_decay, ctx.grad_clip, adam,
+                          ctx.adam_betas, ctx.adam_eps)
+            total += loss.detach()
+            steps += 1
     return float(total) / max(steps, 1), steps  # host sync: once per client, its loss
+
+
+@contextmanager
+def frozen_outside(flat: FlatModel, trainable: tuple[int, int] | None):
+    """The parameters outside the run ``trainable`` without gradients while in the block
+    (autograd then neither computes nor writes theirs); nothing without a run."""
+    if trainable is None:
+        yield
+        return
+    lo, hi = trainable
+    frozen = [p for slot, p in zip(flat.layout, flat.module.parameters())
+              if p.requires_grad and not lo <= slot.offset < hi]
+    for p in frozen:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
 
 
 def step_lrs(task: ClientTask, ctx: RoundContext) -> list[float] | None:

@@ -33,6 +33,7 @@ def validate_personal(c: ExperimentConfig) -> None:
         raise field_error("clients.holdout", "asynchronous rounds draw from the whole "
                                              "population; held-out clients need a "
                                              "synchronous system_model.policy")
+    _refuse_private_layers(c)
     clients = e.clients
     if isinstance(clients, bool) or not (clients in ("none", "all") or isinstance(clients, int)):
         raise field_error("eval.clients", f'must be "none", "all" or a number of clients, got '
@@ -71,3 +72,20 @@ def held_out(c: ExperimentConfig) -> int:
     """H: the slots ``clients.holdout`` keeps out of training (at least 1 when on)."""
     h = c.clients.holdout
     return max(1, round(h * c.clients.num)) if h else 0
+
+
+def _refuse_private_layers(c: ExperimentConfig) -> None:
+    """What a method with private layers (fedmpi.runtime.partial) does not run with yet."""
+    from ..algorithms import REGISTRY   # deferred: the algorithms import the config
+    from ..algorithms.base import Algorithm
+    method = REGISTRY.get(c.algorithm.name)
+    if method is None or method.private_layers is Algorithm.private_layers:
+        return
+    if c.privacy.mechanism != "off":
+        raise field_error("privacy.mechanism", f"algorithm {c.algorithm.name!r} keeps private "
+                                               f"layers on each client; [privacy] is not "
+                                               f"supported with private layers yet")
+    if c.system_model.profiles != "off" and c.system_model.policy in ASYNC_MODES:
+        raise field_error("system_model.policy", f"algorithm {c.algorithm.name!r} keeps private "
+                                                 f"layers on each client; use a synchronous "
+                                                 f"policy")

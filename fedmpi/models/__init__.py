@@ -20,6 +20,7 @@ from torch import nn
 
 from fedmpi.errors import UsageError, did_you_mean
 from fedmpi.models.cnn import CNN, PADDINGS
+from fedmpi.models.cnn import NORMS as CNN_NORMS
 from fedmpi.models.lstm import CharLSTM
 from fedmpi.models.mlp import MLP, TwoNN
 from fedmpi.models.resnet import STEMS, WIDTHS, ResNet18
@@ -116,6 +117,9 @@ MODELS: dict[str, ModelSpec] = {
         "padding": Option("valid", one_of(*PADDINGS),
                           "'valid': unpadded 5x5 convs (the presets' and benchmarks'); "
                           "'same': padded by 2, the paper's TensorFlow network"),
+        "norm": Option("none", one_of(*CNN_NORMS),
+                       "after each conv: 'batch' (BatchNorm), 'group' (GroupNorm, 2 groups) "
+                       "or 'none' (the paper's)"),
     }, min_image_size=16),
     "resnet18": ModelSpec(ResNet18, "ResNet-18 with GroupNorm (11.2M params)", {
         "num_groups": Option(2, divisor_of_all(WIDTHS), "groups of every GroupNorm"),

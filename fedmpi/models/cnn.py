@@ -24,6 +24,7 @@ from torch import nn
 from fedmpi.models.classifier import Classifier
 
 PADDINGS = ("valid", "same")
+NORMS = ("none", "batch", "group")   # after each convolution (FedBN's private layers)
 KERNEL = 5
 
 
@@ -39,18 +40,23 @@ class CNN(Classifier):
 
     def __init__(self, in_channels: int, num_classes: int, image_size: int,
                  hidden: int = 512, channels: tuple[int, int] = (32, 64),
-                 padding: str = "valid"):
+                 padding: str = "valid", norm: str = "none"):
         super().__init__()
         if padding not in PADDINGS:
             raise ValueError(f"padding must be one of {PADDINGS}, got {padding!r}")
+        if norm not in NORMS:
+            raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
+        self.norm = norm
         c1, c2 = channels
         side = _side_after_block(_side_after_block(image_size, padding), padding)
         # an int, not the string "same": group_chain writes out zero-padded convolutions
         # with numeric padding (torch's "same" is a string it leaves to vmap)
         pad = 0 if padding == "valid" else KERNEL // 2
         self.body = nn.Sequential(
-            nn.Conv2d(in_channels, c1, kernel_size=KERNEL, padding=pad), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(c1, c2, kernel_size=KERNEL, padding=pad), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(in_channels, c1, kernel_size=KERNEL, padding=pad), *_norm(norm, c1),
+            nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(c1, c2, kernel_size=KERNEL, padding=pad), *_norm(norm, c2),
+            nn.ReLU(), nn.MaxPool2d(2),
             nn.Flatten(),
             nn.Linear(c2 * side * side, hidden), nn.ReLU(),
         )
@@ -64,7 +70,8 @@ class CNN(Classifier):
         """The layers whose composition is ``forward``, which a client group
         differentiates by hand (fedmpi.algorithms.group_chain); None for a subclass whose
         forward is not that."""
-        if type(self).forward is not Classifier.forward or type(self).features is not CNN.features:
+        if type(self).forward is not Classifier.forward or type(self).features is not CNN.features \
+                or self.norm != "none":
             return None
         return list(self.body) + [self.classifier]
 
@@ -74,6 +81,16 @@ class CNN(Classifier):
         a subclass whose ``features`` is not the body."""
         if type(self).features is not CNN.features:
             return None
-        layers = list(self.body)
-        return [nn.Sequential(*layers[0:3]), nn.Sequential(*layers[3:6]),
-                nn.Sequential(*layers[6:])]
+        layers, k = list(self.body), 3 if self.norm == "none" else 4
+        return [nn.Sequential(*layers[0:k]), nn.Sequential(*layers[k:2 * k]),
+                nn.Sequential(*layers[2 * k:])]
+
+
+def _norm(norm: str, channels: int) -> list[nn.Module]:
+    """The normalisation after a convolution: none, BatchNorm, or GroupNorm in 2 groups
+    (one group where the channels are odd)."""
+    if norm == "batch":
+        return [nn.BatchNorm2d(channels)]
+    if norm == "group":
+        return [nn.GroupNorm(2 if channels % 2 == 0 else 1, channels)]
+    return []

@@ -137,18 +137,18 @@ class ClientTest:
 
     def _personal(self, exp, ids, round_: int):
         """Server: each client's (correct, loss sum) on its test split under its personal
-        model: its own (``alg.personal_params`` of its state, which the server's store
-        sends to the worker scoring it) or the loaded global one, fine-tuned for
+        model: its own (``Phases.personal`` of its state, which the server's store sends
+        to the worker scoring it: the method's personal model, its private layers) or the loaded global one, fine-tuned for
         ``eval.client_finetune_epochs`` (client k of ``ids`` on worker k mod W; each
         worker's model restored afterwards); None elsewhere."""
         cfg, comm, flat, data = self.config, exp.comm, exp.flat, exp.data
-        states = self._states(exp, ids) if self.alg.personalised else {}
+        states = self._states(exp, ids) if exp.phases.personalised else {}
         rows = []
         if comm.is_worker:
             start = flat.params.detach().clone()
             for k in range(comm.worker_index, len(ids), comm.num_workers):
                 c = int(ids[k])
-                flat.load(start if c not in states else self.alg.personal_params(
+                flat.load(start if c not in states else exp.phases.personal(
                     {n: torch.from_numpy(v).to(start.device) for n, v in states[c].items()},
                     start))
                 if self.finetune:
@@ -169,7 +169,7 @@ class ClientTest:
     def _states(self, exp, ids) -> dict:
         """Worker: the algorithm's state of each client it scores (client k of ``ids`` on
         worker k mod W), from the server's store (zeros for a client never trained)."""
-        workers, own = exp.comm.num_workers, exp.phases.alg_states
+        workers, own = exp.comm.num_workers, exp.phases.personal_keys
         states = exp.phases.scatter_states([ids[w::workers] for w in range(workers)])
         return {int(c): {n: v for n, v in state.items() if n in own} for c, state in states.items()}
 

@@ -42,6 +42,7 @@ from .grouping import client_group
 from .observers import RoundRecord, default_observers
 from .observers.divergence import DIVERGED
 from .observers.preemption import EXIT_PREEMPTED, PREEMPTED
+from .partial import private_stage
 from .participation import measure_step_time, participation
 from .phase import Phases, StopRun, round_context
 from .records import (CLIENT_FIELDS, RANK_FIELDS, ROUND_FIELDS, Timers, Traffic, client_columns,
@@ -96,12 +97,16 @@ class Experiment:
         warning = kernels_warning(self.ranks) if comm.is_server and cfg.system.deterministic else None
         if warning:   # said with or without --quiet: it is about the results, not progress
             warn(warning)
-        self.codecs = Compression(cfg, self.alg, self.d)
-        self.phases = Phases(comm, self.alg, self.d, self.device, self.steps,
+        # what travels: the shared coordinates (fedmpi.runtime.partial), d of them
+        # without private layers
+        private = private_stage(self.alg, self.flat)
+        self.wire = private.mask.d_shared if private else self.d
+        self.codecs = Compression(cfg, self.alg, self.wire)
+        self.phases = Phases(comm, self.alg, self.wire, self.device, self.steps,
                              context=partial(round_context, cfg), make_task=self.task,
                              deterministic=cfg.system.deterministic, group=self.group,
-                             codecs=self.codecs, stages=client_stages(cfg, self.codecs),
-                             server_stages=server_stages(cfg, self.d, self.flat.params,
+                             codecs=self.codecs, stages=client_stages(cfg, self.codecs, private),
+                             server_stages=server_stages(cfg, self.wire, self.flat.params,
                                                          self.sizes))
         measured = measure_step_time(self, partial(round_context, cfg)) \
             if cfg.system_model.profiles != "off" and cfg.system_model.measure_step_time \
@@ -234,7 +239,7 @@ class Experiment:
         self.writer.append_ranks(rank_columns(round_, ranks))
         for gathered in rows:
             self.writer.append_clients({"round": np.full(len(gathered["client"]), round_),
-                                        **client_columns(gathered, unrecorded(self.alg, self.d))})
+                                        **client_columns(gathered, unrecorded(self.alg, self.wire))})
         for name, table in tables.items():   # the evaluator stages' rows (/client_eval)
             self.writer.append_table(name, table)
         self.writer.flush()

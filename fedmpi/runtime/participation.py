@@ -275,7 +275,7 @@ def participation(exp, measured: float | None) -> Sync:
     cfg, m, kind = exp.config, exp.config.system_model, stage(exp.config)
     if not exp.comm.is_server or kind is Sync:
         return Sync(cfg, exp.split, exp.sizes)
-    codecs, d = exp.codecs, exp.d
+    codecs, d = exp.codecs, exp.wire
     clock = VirtualClock(cfg, codecs.message_bytes(d, exp.alg.phases[0]),
                          exp.sizes if m.step_unit == "sample" else exp.steps)
     if measured is not None:

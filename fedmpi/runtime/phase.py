@@ -83,6 +83,11 @@ class Phases:
             self.stages = [Encode(self.codecs)]
         self.alg_states = self.alg.client_state_sizes(self.d)
         self.state_sizes = state_sizes(self.alg, self.d, self.stages)
+        # per-client evaluation: whether clients have models of their own, and the state
+        # entries those are made from (the method's, the private layers')
+        self.personalised = self.alg.personalised or any(s.personalised for s in self.stages)
+        self.personal_keys = set(self.alg_states) | {
+            k for s in self.stages if s.personalised for k in s.state_sizes()}
         self.aggregators = [aggregator_for(self.alg, phase, self.comm, self.device,
                                            self.deterministic, self.d) for phase in self.alg.phases]
 
@@ -115,6 +120,8 @@ class Phases:
         for stage in self.server_stages:   # they see the stages' extra sums (privacy's count)
             stage.before(state, sums, gathered, ctx, p)
         extra = {k: sums.pop(k) for stage in self.stages for k in stage.sums(p, self.d)}
+        for stage in self.stages:   # the private layers' zeros back in
+            stage.restore(sums)
         update = versions.update if versions is not None and versions.update else alg.server_update
         update(state, sums, gathered, ctx)                                              # 4
         after = {}
@@ -153,12 +160,12 @@ class Phases:
             if len(sampled):
                 participants = np.asarray(self.alg.phase_participants(state, phase, sampled))
                 if versions is None:
-                    payload = self.codecs.download(
-                        self.alg.payload(state, self.context(t, phase, participants)))
+                    payload = self.codecs.download(self.compact(
+                        self.alg.payload(state, self.context(t, phase, participants))))
                 else:
                     payload = {f"{v}/{k}": tensor for v, s in sorted(versions.states.items())
-                               for k, tensor in self.codecs.download(self.alg.payload(
-                                   s, self.context(v, phase, participants))).items()}
+                               for k, tensor in self.codecs.download(self.compact(self.alg.payload(
+                                   s, self.context(v, phase, participants)))).items()}
                 for stage in self.server_stages:   # privacy's adaptive clip
                     payload.update({f"{STAGE}{k}": v for k, v in stage.download(state).items()})
                 spec = [(k, v.numel()) for k, v in payload.items()]
@@ -176,6 +183,22 @@ class Phases:
             buf = host_vector(sum(n for _, n in spec), zeros=False)
         comm.bcast(buf)
         return participants, assignment, split(buf, spec, self.device), of
+
+    def compact(self, payload: dict) -> dict:
+        """What of the method's payload travels (the stages' ``compact``)."""
+        for stage in self.stages:
+            payload = stage.compact(payload)
+        return payload
+
+    def personal(self, state: dict, x: torch.Tensor) -> torch.Tensor:
+        """A client's own model from its state (``personal_keys``, on the device) and the
+        global model x: the method's (``personal_params``), then the stages'."""
+        if self.alg.personalised:
+            x = self.alg.personal_params({k: v for k, v in state.items()
+                                          if k in self.alg_states}, x)
+        for stage in self.stages:
+            x = stage.personal(state, x)
+        return x
 
     def sizes(self, p: int) -> dict[str, int]:
         """What is summed in phase p: the algorithm's contributions, then the stages'
@@ -226,6 +249,8 @@ class Phases:
                     mine_ctx = replace(self.context(version, ctx.phase, ctx.participants), round=key)
                     mine_payload = {k.split("/", 1)[1]: v for k, v in payload.items()
                                     if k.startswith(f"{version}/")}
+                for stage in self.stages:   # the private layers' merge
+                    mine_payload = stage.prepare(mine_payload, states.get(c))
                 task = self.make_task(c, mine_ctx, p)
                 upload = self.alg.local_update(task, mine_payload, state, mine_ctx)
                 if after_client is not None:   # sees the client's local model before it is reloaded

@@ -17,6 +17,7 @@ from ..results import ResultsWriter, RunFile, checkpoint, liveness, schema
 from ..results.lock import RunLock
 from ..results.recovery import recover_crashed
 from . import participation
+from .partial import PrivateLayers
 from .records import RANK_FIELDS, ROUND_FIELDS, client_fields
 
 
@@ -46,7 +47,11 @@ def create_file(exp, dataset, ranks) -> bool:
     partition = exp.split.file_datasets(dataset.train_y.numpy(), dataset.num_classes)
     stage = exp.participation   # its columns, its provenance, its datasets under /partition
     round_fields = ROUND_FIELDS + list(exp.alg.diagnostic_fields) + stage.round_fields
-    clients = client_fields(exp.alg, exp.d) + stage.client_fields
+    clients = client_fields(exp.alg, exp.wire) + stage.client_fields
+    private = next((s for s in exp.phases.stages if isinstance(s, PrivateLayers)), None)
+    if private is not None:   # private layers: what travels (fedmpi.runtime.partial)
+        provenance.update(shared_params=exp.wire, private_params=private.mask.d_private,
+                          private_layers=private.mask.private_names)
     described, datasets = stage.describe()
     provenance.update(described)
     partition.update(datasets)

@@ -25,6 +25,25 @@ from .stats import STAT_SIZES_KEYS, stat_contribution, update_statistics
 class ClientStage:
     """The identity stage; subclasses override what they do."""
 
+    personalised = False   # True: ``personal`` gives each client a model of its own
+
+    def compact(self, payload: dict) -> dict:
+        """Server, before the payload is encoded: what of it travels (private layers:
+        the shared coordinates of x)."""
+        return payload
+
+    def prepare(self, payload: dict, state: dict | None) -> dict:
+        """Worker, before a client's local update: the payload the method sees for this
+        client (``state``: the client's stored state, host arrays, or None)."""
+        return payload
+
+    def restore(self, sums: dict) -> None:
+        """Server, before the method's update: the sums back to the method's widths."""
+
+    def personal(self, state: dict | None, x):
+        """A client's model for evaluation from its state and the global model x."""
+        return x
+
     def state_sizes(self) -> dict[str, int]:
         """Per-client state this stage keeps, name -> values."""
         return {}
@@ -104,12 +123,15 @@ class UpdateStatistics(ClientStage):
                                                             if k in sums])
 
 
-def client_stages(config, codecs: Compression) -> list[ClientStage]:
-    """The run's client stages, in order: privacy's clip first (fedmpi.runtime.dp: it
-    bounds what the client computed), then the codec, the staleness weight and the
-    update statistics."""
+def client_stages(config, codecs: Compression, private: ClientStage | None = None
+                  ) -> list[ClientStage]:
+    """The run's client stages, in order: the private layers' split first
+    (fedmpi.runtime.partial: everything after sees only what travels), privacy's clip
+    (fedmpi.runtime.dp: it bounds what the client computed), then the codec, the
+    staleness weight and the update statistics."""
     from . import dp   # deferred: dp's stages subclass ClientStage, defined above (a cycle)
-    stages: list[ClientStage] = [*dp.client_stages(config), Encode(codecs)]
+    stages: list[ClientStage] = [*([private] if private else []), *dp.client_stages(config),
+                                 Encode(codecs)]
     m = config.system_model
     if m.profiles != "off" and m.policy == "fedbuff":
         stages.append(Staleness())
