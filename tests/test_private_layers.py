@@ -17,7 +17,7 @@ from fedmpi.models import build_model
 from fedmpi.results import RunFile
 from fedmpi.runtime.partial import SharedMask
 
-from conftest import needs_mpi
+from conftest import fedmpi, needs_mpi
 from helpers import TINY, assert_same_on_3_ranks, merged, run_and_resume, run_file
 
 SPLIT = merged(TINY, partition={**TINY["partition"], "local_test": 0.25},
@@ -63,13 +63,21 @@ def test_only_the_shared_values_travel_and_the_ledger_counts_them(tmp_path, name
         assert attrs["private_params"] == private
 
 
-def test_a_top_k_codec_keeps_k_of_the_shared_values(tmp_path):
-    values = merged(method("fedper"), compression={"up": "topk", "count": 100})
+def test_a_top_k_codec_keeps_k_of_the_shared_values_and_feeds_back_only_those(tmp_path):
+    """k = ceil(0.1 n) of n = d_shared values, and each client's error feedback is a
+    vector of d_shared (a codec over the full d would take k of 1,530 and keep 1,530)."""
+    from fedmpi.runtime.compression import Codec
+
+    z = {"up": "topk", "fraction": 0.1, "error_feedback": True}
+    values = merged(method("fedper"), compression=z,
+                    system={**TINY["system"], "checkpoint_every": 1})
     with run_file(tmp_path, "topk", values) as r:
         up = set(r.clients()["bytes_up"])
-    plain = merged(SPLIT, compression={"up": "topk", "count": 100})
-    with run_file(tmp_path, "plain", plain) as r:
-        assert up == set(r.clients()["bytes_up"])   # k values and their indices, of either d
+        states = [st for _, st in r.checkpoint().states()]
+    assert up == {Codec("topk", fraction=0.1).encoded_bytes(D - HEAD)}
+    assert up != {Codec("topk", fraction=0.1).encoded_bytes(D)}
+    feedback = [v for st in states for k, v in st.items() if k.startswith("ef_")]
+    assert feedback and all(v.shape == (D - HEAD,) for v in feedback)
 
 
 def test_the_global_model_keeps_the_initial_private_values(tmp_path):
@@ -179,6 +187,8 @@ def test_a_resumed_fedper_run_has_the_same_private_values(tmp_path):
 @pytest.mark.parametrize("over, message", [
     ({"algorithm": {"name": "fedper", "private": "head"}},
      "algorithm.private: expected list, got 'head'"),
+    ({"algorithm": {"name": "fedper", "private": [1]}},
+     "algorithm.private: must be a list of layer names or of head, body, norm, got [1]"),
     ({"algorithm": {"name": "fedper", "private": [""]}},
      "algorithm.private: must be a list of layer names or of head, body, norm, got ['']"),
     ({"algorithm": {"name": "fedrep", "rep_epochs": 2}},
@@ -204,3 +214,41 @@ def test_private_layers_the_model_lacks_are_refused_at_start(tmp_path, algorithm
     with pytest.raises(UsageError, match=re.escape(message)):
         run_file(tmp_path, "bad", merged(TINY, algorithm=algorithm))
     assert not (tmp_path / "bad.h5").exists()
+
+
+def test_fedbn_keeps_the_batchnorm_layers_and_their_statistics(tmp_path):
+    """TINY's CNN with BatchNorm after each convolution (4 and 8 channels): weight, bias,
+    running mean and variance of each, 4 x 12 = 48 private values; each client's own
+    statistics score its personal model."""
+    values = merged(method("fedbn"), model={**TINY["model"], "norm": "batch"})
+    with run_file(tmp_path, "fedbn", values) as r:
+        attrs, table = r.attrs, r.client_eval()
+        layers = json_list(attrs["private_layers"])
+    assert attrs["private_params"] == 48 and attrs["num_params"] == D + 48
+    assert sorted(layers) == sorted(f"body.{i}.{p}" for i in (1, 5) for p in
+                                    ("weight", "bias", "running_mean", "running_var"))
+    assert np.isfinite(table["personal_accuracy"]).all()
+
+
+def json_list(value):
+    import json
+    return json.loads(value) if isinstance(value, str) else list(value)
+
+
+def test_a_layer_the_model_lacks_is_one_line_exit_2_and_keeps_the_old_file(tmp_path):
+    """Refused when the run starts (the model is built then), before the results file is
+    touched: an existing file survives even --force."""
+    from helpers import write_config
+
+    with run_file(tmp_path, "run", TINY):
+        pass
+    out = tmp_path / "run.h5"
+    before = out.read_bytes()
+    path = write_config(tmp_path / "bad.toml", merged(TINY, algorithm={"name": "fedper",
+                                                                        "private": ["fc9"]}),
+                        output=str(out))
+    proc = fedmpi(["run", str(path), "-q", "--force"])
+    assert proc.returncode == 2 and out.read_bytes() == before
+    assert proc.stderr.strip().splitlines() == [
+        "fedmpi: config field algorithm.private: the model has no layer 'fc9'; its layers are "
+        "body, classifier"]
