@@ -1,7 +1,8 @@
-"""APFL, pFedMe and Per-FedAvg (fedmpi.algorithms.apfl, pfedme, perfedavg): each reduces to
-what it must (APFL's global model is FedAvg's, alpha = 0 scores the global model, alpha =
-1 keeps the local model FedAvg's client trains; Per-FedAvg's Hessian-free step is the
-exact MAML gradient when D'' = D), their personal models are client state scored by
+"""APFL, pFedMe, Per-FedAvg, FedRoD and FedALA (fedmpi.algorithms.apfl, pfedme, perfedavg,
+fedrod, fedala): each reduces to what it must (APFL's global model is FedAvg's, alpha = 0
+scores the global model, alpha = 1 keeps the local model FedAvg's client trains;
+Per-FedAvg's Hessian-free step is the exact MAML gradient when D'' = D; FedRoD's global
+model is its generic one; FedALA's new client trains from x^t), their personal models are client state scored by
 per-client evaluation, 1 and 3 ranks and a resume give the same bits, and bad parameters
 are refused in one line."""
 
@@ -130,6 +131,53 @@ def test_per_fedavg_runs_both_variants_and_keeps_no_state(tmp_path):
             assert np.isfinite(r.client_eval()["personal_accuracy"]).all()
 
 
+def test_fedrod_sends_the_body_and_generic_head_and_scores_g_plus_p(tmp_path):
+    """The personalised head (32 x 10 + 10 on TINY's CNN) stays on the clients; the global
+    model keeps it at zero, so the global model predicts with G alone and a client never
+    trained is scored on exactly that."""
+    with run_file(tmp_path, "rod", method("fedrod")) as r:
+        attrs, model, layout = r.attrs, r.model(), r.layout()
+        table, trained = r.client_eval(), set(r.clients()["client"].tolist())
+        up = set(r.clients()["bytes_up"])
+    assert attrs["private_params"] == 330 and attrs["shared_params"] == attrs["num_params"] - 330
+    assert up == {4 * attrs["shared_params"]}
+    head = [(o, int(np.prod(s))) for n, s, o in layout if n.startswith("personal_head.")]
+    assert all(not model[o:o + k].any() for o, k in head)
+    last = table["round"] == TINY["rounds"]
+    never = np.array([int(c) not in trained for c in table["client"][last]])
+    personal, plain = table["personal_accuracy"][last], table["accuracy"][last]
+    assert np.array_equal(personal[never], plain[never])
+    assert not np.array_equal(personal[~never], plain[~never])
+
+
+def test_fedala_starts_a_new_client_from_x_and_learns_weights_in_0_1(tmp_path):
+    """A client's first participation trains from x^t as FedAvg's one client does (its
+    theta is x^1 up to FedAvg's rounding of a mean of one); at its next participation
+    the top layers' weights move from ones and stay in [0, 1], the lower ones unused."""
+    one = merged(SPLIT, rounds=2, clients={**TINY["clients"], "per_round": 1},
+                 system={**TINY["system"], "checkpoint_every": 1})
+    with run_file(tmp_path, "one", method("fedala", one)) as r:
+        ckpt = r.checkpoint()
+        (_, state), = list(ckpt.states())
+        assert np.allclose(state["theta"], ckpt.server["x"], rtol=1e-6, atol=1e-7)
+        assert (state["weights"] == 1).all() and state["started"][0] == 1
+    again = merged(SPLIT, rounds=6, system={**TINY["system"], "checkpoint_every": 1})
+    with run_file(tmp_path, "again", method("fedala", again)) as r:
+        states = [s for _, s in r.checkpoint().states() if s["started"][0] == 2]
+    assert states
+    for s in states:
+        top, lower = s["weights"][-330:], s["weights"][:-330]
+        assert (lower == 1).all() and ((0 <= top) & (top <= 1)).all() and (top < 1).any()
+
+
+@pytest.mark.slow
+@needs_mpi
+@pytest.mark.parametrize("name", ["fedrod", "fedala"])
+def test_fedrod_and_fedala_are_bitwise_the_same_for_1_and_3_ranks(tmp_path, name):
+    values = merged(method(name), system=DETERMINISTIC, rounds=5)
+    assert_same_on_3_ranks(tmp_path, values, client_eval=True)
+
+
 @pytest.mark.slow
 @needs_mpi
 @pytest.mark.parametrize("name", ["apfl", "pfedme"])
@@ -138,7 +186,7 @@ def test_apfl_and_pfedme_are_bitwise_the_same_for_1_and_3_ranks(tmp_path, name):
                            client_eval=True)
 
 
-@pytest.mark.parametrize("name", ["apfl", "pfedme"])
+@pytest.mark.parametrize("name", ["apfl", "pfedme", "fedala"])
 def test_a_resumed_run_has_the_same_personal_scores(tmp_path, name):
     crashed, _ = run_and_resume(merged(method(name), system=DETERMINISTIC, rounds=4), tmp_path)
     with RunFile(tmp_path / "ref.h5") as ref, RunFile(crashed) as resumed:
@@ -158,6 +206,10 @@ def test_a_resumed_run_has_the_same_personal_scores(tmp_path, name):
      "algorithm.variant: 'so' is not allowed; choose one of fo, hf"),
     ({"algorithm": {"name": "perfedavg"}, "train": {**TINY["train"], "optimizer": "adam"}},
      "train.optimizer"),
+    ({"algorithm": {"name": "fedala", "sample": 0.0}}, "algorithm.sample: must be in (0, 1], got 0.0"),
+    ({"algorithm": {"name": "fedala", "window": 1}}, "algorithm.window: must be >= 2, got 1"),
+    ({"algorithm": {"name": "fedrod"}, "system": {**TINY["system"], "client_group": 2}},
+     "system.client_group: algorithm 'fedrod' has no group form"),
     ({"algorithm": {"name": "pfedme"}, "system": {**TINY["system"], "client_group": 2}},
      "system.client_group: algorithm 'pfedme' has no group form"),
 ])
