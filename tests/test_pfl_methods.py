@@ -216,3 +216,14 @@ def test_a_resumed_run_has_the_same_personal_scores(tmp_path, name):
 def test_what_the_methods_cannot_take_is_refused(over, message):
     with pytest.raises(UsageError, match=re.escape(message)):
         cfg.from_dict(merged(TINY, **over))
+
+
+def test_a_per_fedavg_client_with_one_batch_takes_no_step(tmp_path):
+    """B larger than any client's data: one batch an epoch, fewer than a meta-step takes:
+    every client takes 0 steps, uploads zero, and the model stays the initial one."""
+    from test_private_layers import initial_model
+
+    values = merged(method("perfedavg", TINY), train={**TINY["train"], "batch_size": 512})
+    with run_file(tmp_path, "one", values) as r:
+        assert (r.clients()["steps"] == 0).all()
+        assert np.array_equal(r.model(), initial_model(values))
