@@ -138,9 +138,10 @@ class ClientTest:
     def _personal(self, exp, ids, round_: int):
         """Server: each client's (correct, loss sum) on its test split under its personal
         model: its own (``Phases.personal`` of its state, which the server's store sends
-        to the worker scoring it: the method's personal model, its private layers) or the loaded global one, fine-tuned for
-        ``eval.client_finetune_epochs`` (client k of ``ids`` on worker k mod W; each
-        worker's model restored afterwards); None elsewhere."""
+        to the worker scoring it: the method's personal model, its private layers) or
+        the loaded global one, fine-tuned for ``eval.client_finetune_epochs`` (client k
+        of ``ids`` on worker k mod W; each worker's model restored afterwards); None
+        elsewhere."""
         cfg, comm, flat, data = self.config, exp.comm, exp.flat, exp.data
         states = self._states(exp, ids) if exp.phases.personalised else {}
         rows = []
@@ -167,8 +168,9 @@ class ClientTest:
         return tuned[:, 1], tuned[:, 2]
 
     def _states(self, exp, ids) -> dict:
-        """Worker: the algorithm's state of each client it scores (client k of ``ids`` on
-        worker k mod W), from the server's store (zeros for a client never trained)."""
+        """Worker: the personal state of each client it scores (the method's and the
+        private layers'; client k of ``ids`` on worker k mod W), from the server's store
+        (zeros for a client never trained)."""
         workers, own = exp.comm.num_workers, exp.phases.personal_keys
         states = exp.phases.scatter_states([ids[w::workers] for w in range(workers)])
         return {int(c): {n: v for n, v in state.items() if n in own} for c, state in states.items()}
