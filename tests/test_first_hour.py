@@ -36,6 +36,16 @@ def test_the_default_name_carries_a_digest_of_the_config():
         cfg.resolve(overrides=["output=runs/{nam}.h5"])
 
 
+def test_a_model_option_added_later_leaves_existing_names_alone():
+    """model.norm joined the CNN's options after files were named: at "none" (what those
+    files ran) the default config keeps the name it had before (6bce8cc9, the digest
+    fedmpi gave it then), so their --resume and --force still find them; another value
+    names another file."""
+    base = cfg.resolve()
+    assert base.model.options["norm"] == "none" and base.digest() == "6bce8cc9"
+    assert cfg.resolve(overrides=['model.norm="batch"']).digest() != base.digest()
+
+
 @pytest.mark.slow
 def test_a_second_run_with_other_values_gets_its_own_file_and_a_summary(tmp_path):
     first = cli(["run", *SMALL], cwd=tmp_path)

@@ -309,8 +309,10 @@ class ExperimentConfig:
         --resume and --force keep working). Fields that keep their default are left out, so
         a field added to the schema later leaves existing configs' names alone."""
         defaults = _flat(ExperimentConfig().to_dict())
+        from .since import added_at_default   # deferred: since.py is a leaf, schema a root
         changed = {k: v for k, v in _flat(self.to_dict()).items()
-                   if k != "output" and (k not in defaults or defaults[k] != v)}
+                   if k != "output" and (k not in defaults or defaults[k] != v)
+                   and not added_at_default(self.model.name, k, v)}
         text = json.dumps(changed, sort_keys=True, default=repr)
         return hashlib.sha256(text.encode()).hexdigest()[:8]
 

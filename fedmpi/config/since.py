@@ -29,3 +29,17 @@ def as_started(values: dict) -> list[str]:
             lines.append(f"algorithm.{key} = {before!r}: the file predates the parameter and "
                          f"its rounds ran so (today's default differs)")
     return lines
+
+
+# model options added after results files were written, with the value that builds the
+# model those files ran: at that value an option is left out of the config's digest
+# (``ExperimentConfig.digest``), so a config keeps its default results file name
+ADDED_MODEL_OPTIONS = {"cnn": {"norm": "none"}}
+
+
+def added_at_default(model: str, key: str, value) -> bool:
+    """Whether flattened config key ``key`` (``model.<option>``) is an option added later
+    to ``model``, at the value files written before it ran with."""
+    option = key.split(".", 1)[1] if key.startswith("model.") else None
+    added = ADDED_MODEL_OPTIONS.get(model, {})
+    return option in added and added[option] == value
