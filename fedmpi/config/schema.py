@@ -273,6 +273,28 @@ class PrivacyConfig:
 
 
 @dataclass
+class RobustConfig:
+    """Byzantine-robust aggregation (fedmpi.runtime.robust): off by default."""
+    aggregator: str = "none"           # none | median | trimmed_mean | krum | multikrum |
+                                       # geomed | normbound, in place of the mean of the updates
+    f: int = 0                         # Byzantine clients assumed a round: krum's and multikrum's
+                                       # f, the trimmed mean's cut at each end
+    bound: float = 1.0                 # normbound: each update scaled to norm at most this
+    geomed_iterations: int = 10        # geomed: smoothed Weiszfeld iterations
+    geomed_nu: float = 1e-6            # geomed: the smoothing (a distance below it counts as it)
+
+
+@dataclass
+class AttackConfig:
+    """Malicious clients (fedmpi.runtime.attacks): off by default."""
+    kind: str = "none"                 # none | sign_flip (-scale Delta) | scale (scale Delta:
+                                       # model replacement's boost) | gaussian (N(0, std^2))
+    fraction: float = 0.0              # the keyed share of the population that attacks
+    scale: float = 1.0                 # sign_flip, scale: the factor
+    std: float = 1.0                   # gaussian: the noise's std per coordinate
+
+
+@dataclass
 class ExperimentConfig:
     name: str = "experiment"
     seed: int = 0
@@ -290,6 +312,8 @@ class ExperimentConfig:
     system_model: SystemModelConfig = field(default_factory=SystemModelConfig)
     compression: CompressionConfig = field(default_factory=CompressionConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    robust: RobustConfig = field(default_factory=RobustConfig)
+    attack: AttackConfig = field(default_factory=AttackConfig)
 
     def output_path(self) -> Path:
         """``output`` with its placeholders filled in and a leading ``~`` expanded (a TOML

@@ -10,9 +10,11 @@ for the phase:
   layout. The algorithm's ``server_update`` turns the sums into its means.
 - ``Sharded``: the sums as above, and each client's update kept on its worker; a shared
   transpose then gives each worker a run of coordinates of every kept vector
-  (fedmpi.runtime.gram), where a rule computes the combination: today the algorithm's
-  Gram rule (``gram_coefficients``: FedU^2's EUA), whose weighted sum replaces the summed
-  ``delta``.
+  (fedmpi.runtime.gram), where a rule computes the combination: the algorithm's Gram
+  rule (``gram_coefficients``: FedU^2's EUA), whose weighted sum replaces the summed
+  ``delta``;
+- ``Robust`` (``[robust]``), a ``Sharded`` whose rule is a Byzantine-robust one
+  (fedmpi.runtime.robust): Gram coefficients or a coordinate-wise rule, as a mean.
 
 An aggregator's life in a phase: ``begin(sizes)`` on every rank, ``fold(c, contribution,
 delta)`` per client on the worker, then ``reduce(...)`` on every rank, which returns the
@@ -126,10 +128,41 @@ class Sharded(WeightedMean):
         return sums
 
 
-def aggregator_for(alg, phase: str, comm, device, deterministic: bool, d: int) -> WeightedMean:
-    """The phase's aggregator, by the algorithm's declaration (``gram_weighted``)."""
+class Robust(Sharded):
+    """``[robust]`` (fedmpi.runtime.robust): the sums, then a robust rule over the raw
+    updates Delta_k in the summed ``delta``'s place, as a mean (``weight`` 1): a Gram rule's
+    coefficients, or a coordinate rule on each worker's run of coordinates."""
+
+    def __init__(self, comm, device, deterministic: bool, d: int, config):
+        from . import robust   # deferred: only a robust run needs the rules
+        rule = config.robust.aggregator
+        super().__init__(comm, device, deterministic, d, None)
+        self.gram_rule = None if rule in robust.COORDINATE else robust.coefficients(rule, config)
+        self.block_rule = robust.coordinate_rule(rule, config.robust.f) \
+            if rule in robust.COORDINATE else None
+
+    def reduce(self, assignment, ctx, timers) -> dict | None:
+        sums = WeightedMean.reduce(self, assignment, ctx, timers)
+        t0 = time.perf_counter()
+        vectors = [self.vectors[c] for c in sorted(self.vectors)]
+        self.vectors = {}
+        combined, _ = gram.weighted_sum(self.comm, vectors, assignment, self.d, self.gram_rule,
+                                        workspace=self.space, per_block=self.block_rule)
+        timers.aggregate += time.perf_counter() - t0
+        if sums is not None:
+            sums["delta"] = combined
+            sums["weight"] = torch.ones(1)
+        return sums
+
+
+def aggregator_for(alg, phase: str, comm, device, deterministic: bool, d: int,
+                   config=None) -> WeightedMean:
+    """The phase's aggregator, by the algorithm's declaration (``gram_weighted``) or the
+    config's ``[robust]`` rule."""
     if alg.gram_weighted(phase):
         return Sharded(comm, device, deterministic, d, alg.gram_coefficients)
+    if config is not None and config.robust.aggregator != "none":
+        return Robust(comm, device, deterministic, d, config)
     return WeightedMean(comm, device, deterministic)
 
 

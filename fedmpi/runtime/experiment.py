@@ -107,7 +107,7 @@ class Experiment:
                              deterministic=cfg.system.deterministic, group=self.group,
                              codecs=self.codecs, stages=client_stages(cfg, self.codecs, private),
                              server_stages=server_stages(cfg, self.wire, self.flat.params,
-                                                         self.sizes))
+                                                         self.sizes), config=cfg)
         measured = measure_step_time(self, partial(round_context, cfg)) \
             if cfg.system_model.profiles != "off" and cfg.system_model.measure_step_time \
             and not self.resume else None   # a resume: the file's

@@ -96,11 +96,14 @@ class Workspace:
 
 
 def weighted_sum(comm, vectors: list[torch.Tensor], assignment, d: int,
-                 coefficients: Callable[[np.ndarray], np.ndarray],
-                 block: int = BLOCK, workspace: Workspace | None = None
+                 coefficients: Callable[[np.ndarray], np.ndarray] | None,
+                 block: int = BLOCK, workspace: Workspace | None = None,
+                 per_block: Callable[[torch.Tensor], torch.Tensor] | None = None
                  ) -> tuple[torch.Tensor | None, np.ndarray | None]:
     """sum_k c_k v_k on the server, with c = coefficients(G) computed there from the Gram
-    matrix G (float64, K x K, clients in ascending id) of every participant's vector.
+    matrix G (float64, K x K, clients in ascending id) of every participant's vector; or,
+    with ``per_block`` (a coordinate-wise rule: float64 [K, width] -> [width]) instead of
+    coefficients, that rule's values block by block (no Gram; c is None).
 
     Every rank calls this. ``vectors`` are this worker's clients' vectors (length d) in
     the order of ``assignment[worker_index]``. ``workspace``: this rank's buffers, kept
@@ -153,27 +156,30 @@ def weighted_sum(comm, vectors: list[torch.Tensor], assignment, d: int,
 
     # 2. Gram partials (torch's kernel, at the run's thread count), gathered in worker
     #    order, which is block order, and added in that order
-    partials = np.zeros((len(mine), k, k))
-    for i, b in enumerate(mine):
-        a = rows(b)
-        partials[i] = (a @ a.T).numpy()
-    gathered = comm.gatherv(partials.reshape(-1))
-    coef = np.zeros(k)
-    if comm.is_server:
-        gram = np.zeros((k, k))
-        for partial in np.concatenate(gathered).reshape(-1, k, k):
-            gram += partial
-        coef = np.asarray(coefficients(gram), dtype=np.float64).reshape(k)
+    coef = None
+    if per_block is None:
+        partials = np.zeros((len(mine), k, k))
+        for i, b in enumerate(mine):
+            a = rows(b)
+            partials[i] = (a @ a.T).numpy()
+        gathered = comm.gatherv(partials.reshape(-1))
+        coef = np.zeros(k)
+        if comm.is_server:
+            gram = np.zeros((k, k))
+            for partial in np.concatenate(gathered).reshape(-1, k, k):
+                gram += partial
+            coef = np.asarray(coefficients(gram), dtype=np.float64).reshape(k)
+        # 3. coefficients to the workers
+        comm.bcast(coef)
+        weights = torch.from_numpy(coef)
+        per_block = weights.__matmul__   # one float64 product per block: a fixed shape
 
-    # 3. coefficients to the workers; 4. each block's weighted sum, gathered to the
-    #    server: the spans in worker order are the d coordinates in order
-    comm.bcast(coef)
-    weights = torch.from_numpy(coef)
-    # one float64 product per block: a fixed shape, so the same kernel for any layout
+    # 4. each block's weighted sum (or rule), gathered to the server: the spans in worker
+    #    order are the d coordinates in order
     sums = space.array("sums", end - start)
     for b in mine:
         s, e = blocks[b]
-        sums[s - start:e - start] = (weights @ rows(b)).float().numpy()
+        sums[s - start:e - start] = per_block(rows(b)).float().numpy()
     # gathered straight into the result: the server's part is empty where it has no
     # blocks, and all of it where it is the only rank
     total = host_vector(d, zeros=False) if comm.is_server else None

@@ -74,6 +74,7 @@ class Phases:
     codecs: Compression | None = None   # the run's codecs; None: no compression
     stages: list[ClientStage] | None = None
     server_stages: list = field(default_factory=list)   # after the reduce (fedmpi.runtime.dp)
+    config: object = None   # the run's config: its [robust] rule picks the aggregator
     aggregators: list = field(init=False)   # one a phase, kept across rounds
 
     def __post_init__(self):
@@ -89,7 +90,8 @@ class Phases:
         self.personal_keys = set(self.alg_states) | {
             k for s in self.stages if s.personalised for k in s.state_sizes()}
         self.aggregators = [aggregator_for(self.alg, phase, self.comm, self.device,
-                                           self.deterministic, self.d) for phase in self.alg.phases]
+                                           self.deterministic, self.d, self.config)
+                            for phase in self.alg.phases]
 
     def run(self, state, t: int, p: int, phase: str, sampled, timers: Timers,
             traffic: Traffic, stop=None, after_client=None, versions: Versions | None = None

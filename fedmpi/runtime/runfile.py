@@ -17,6 +17,7 @@ from ..results import ResultsWriter, RunFile, checkpoint, liveness, schema
 from ..results.lock import RunLock
 from ..results.recovery import recover_crashed
 from . import participation
+from .attacks import malicious
 from .partial import PrivateLayers
 from .records import RANK_FIELDS, ROUND_FIELDS, client_fields
 
@@ -45,6 +46,8 @@ def create_file(exp, dataset, ranks) -> bool:
     if sources is not None:
         provenance["algorithm_param_sources"] = dict(sources)
     partition = exp.split.file_datasets(dataset.train_y.numpy(), dataset.num_classes)
+    if cfg.attack.kind != "none":   # [attack]: who attacks (fedmpi.runtime.attacks)
+        partition["malicious"] = malicious(cfg)
     stage = exp.participation   # its columns, its provenance, its datasets under /partition
     round_fields = ROUND_FIELDS + list(exp.alg.diagnostic_fields) + stage.round_fields
     clients = client_fields(exp.alg, exp.wire) + stage.client_fields

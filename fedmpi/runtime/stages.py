@@ -126,11 +126,13 @@ class UpdateStatistics(ClientStage):
 def client_stages(config, codecs: Compression, private: ClientStage | None = None
                   ) -> list[ClientStage]:
     """The run's client stages, in order: the private layers' split first
-    (fedmpi.runtime.partial: everything after sees only what travels), privacy's clip
+    (fedmpi.runtime.partial: everything after sees only what travels), an attack's
+    poisoning (fedmpi.runtime.attacks: what a malicious client sends), privacy's clip
     (fedmpi.runtime.dp: it bounds what the client computed), then the codec, the
     staleness weight and the update statistics."""
-    from . import dp   # deferred: dp's stages subclass ClientStage, defined above (a cycle)
-    stages: list[ClientStage] = [*([private] if private else []), *dp.client_stages(config),
+    from . import attacks, dp   # deferred: their stages subclass ClientStage (a cycle)
+    stages: list[ClientStage] = [*([private] if private else []),
+                                 *attacks.attack_stages(config), *dp.client_stages(config),
                                  Encode(codecs)]
     m = config.system_model
     if m.profiles != "off" and m.policy == "fedbuff":
