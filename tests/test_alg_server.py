@@ -304,6 +304,9 @@ def test_algorithms_command_lists_them_with_parameters():
         assert "messages per client: down d, up d" in blocks[name]
         assert any(line.startswith(f"algorithm.{param} ") for line in blocks[name])
     assert "compressible up: delta; down: x; asynchronous (fedbuff, fedasync): yes" in blocks["fedavg"]
+    assert "messages per client: down d_shared, up d_shared (the layers not kept on the " \
+        "clients)" in blocks["fedper"]
+    assert "compressible up: delta; down: x; asynchronous (fedbuff, fedasync): no" in blocks["fedper"]
     assert "compressible up: delta, delta_c; down: x, c; asynchronous (fedbuff, fedasync): no" \
         in blocks["scaffold"]
     assert "compressible up: none; down: none; asynchronous (fedbuff, fedasync): no" in blocks["fnrfl"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import pkgutil
+import re
 
 from ..config import check_scalar
 from ..config.coerce import field_paths
@@ -55,6 +56,9 @@ def message_sizes(cls: type[Algorithm]) -> str:
         down, up = cls().traffic(big, phase)
         label = f"{phase}: " if len(cls.phases) > 1 else ""
         parts.append(f"{label}down {_in_d(down, big)}, up {_in_d(up, big)}")
+    if cls.private_layers is not Algorithm.private_layers:   # fedmpi.runtime.partial
+        shared = re.sub(r"\bd\b", "d_shared", "; ".join(parts))
+        return f"{shared} (the layers not kept on the clients)"
     return "; ".join(parts)
 
 

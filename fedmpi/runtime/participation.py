@@ -186,8 +186,10 @@ class Async(Clocked):
     @classmethod
     def serves(cls, name: str) -> bool:
         """Whether algorithm ``name``'s server side is FedAvg's, which the asynchronous step
-        replaces (the method's local update stays its own)."""
-        return fedavg_server_side(algorithms.REGISTRY[name])
+        replaces (the method's local update stays its own), and which sends its whole
+        model (private layers: not yet)."""
+        kind = algorithms.REGISTRY[name]
+        return fedavg_server_side(kind) and kind.private_layers is algorithms.Algorithm.private_layers
 
     @classmethod
     def refuse(cls, c) -> None:
