@@ -78,6 +78,8 @@ def _candidates(default, allowed=()):
         return [default + 1, max(default - 1, 0)]
     if isinstance(default, float):
         return [default * 0.5 if default else 0.25, default + 0.05]
+    if isinstance(default, (tuple, list)) and all(isinstance(x, str) for x in default):
+        return [[], ["classifier"]]   # layer names (algorithm.private)
     if isinstance(default, (tuple, list)):
         return [[x * 0.5 for x in default]]
     if isinstance(default, str):

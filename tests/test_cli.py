@@ -373,4 +373,4 @@ def test_algorithms_lists_a_plugin_and_names_a_bad_one():
     heads = [line.split()[0] for line in one.splitlines() if not line.startswith(" ")]
     assert heads == ["toy_probe", "fedprox"] and "    algorithm.mu = 0.01" in one
     assert_usage_error(fedmpi(["algorithms", "fedprx"]), "algorithm 'fedprx' does not exist "
-                       "(did you mean 'fedprox'?); choose from ditto, fedacg, fedadam, fedavg,")
+                       "(did you mean 'fedprox'?); choose from apfl, ditto, fedacg, fedadam, fedala,")

@@ -42,8 +42,8 @@ def validate_robust(c: ExperimentConfig) -> None:
 
 
 def _refuse_robust(c: ExperimentConfig) -> None:
-    from ..algorithms import REGISTRY
-    from ..algorithms.base import fedavg_server_side
+    from ..algorithms import REGISTRY   # deferred: the algorithms import the config
+    from ..algorithms.base import fedavg_server_side   # deferred: likewise
     r, n = c.robust, c.clients.per_round
     if not fedavg_server_side(REGISTRY[c.algorithm.name]):
         able = sorted(k for k, kind in REGISTRY.items() if fedavg_server_side(kind)
