@@ -57,6 +57,10 @@ class Slot:
             n *= s
         return n
 
+    def within(self, layers) -> bool:
+        """Whether this slot belongs to one of ``layers`` (module names, or slot names)."""
+        return any(self.name == n or self.name.startswith(n + ".") for n in layers)
+
 
 class FlatModel:
     """Owns ``module``'s parameters as views into ``params``; gradients into ``grads``.

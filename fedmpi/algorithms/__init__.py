@@ -13,7 +13,8 @@ import re
 from ..config import check_scalar
 from ..config.coerce import field_paths
 from ..errors import UsageError, did_you_mean
-from .base import REGISTRY, Algorithm, ClientTask, RoundContext, Upload, register
+from .base import (REGISTRY, Algorithm, ClientTask, RoundContext, Upload, keeps_private_layers,
+                   register)
 from .params import default_of, params_table
 
 
@@ -56,7 +57,7 @@ def message_sizes(cls: type[Algorithm]) -> str:
         down, up = cls().traffic(big, phase)
         label = f"{phase}: " if len(cls.phases) > 1 else ""
         parts.append(f"{label}down {_in_d(down, big)}, up {_in_d(up, big)}")
-    if cls.private_layers is not Algorithm.private_layers:   # fedmpi.runtime.partial
+    if keeps_private_layers(cls):   # fedmpi.runtime.partial
         shared = re.sub(r"\bd\b", "d_shared", "; ".join(parts))
         return f"{shared} (the layers not kept on the clients)"
     return "; ".join(parts)

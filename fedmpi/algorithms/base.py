@@ -379,6 +379,11 @@ FEDAVG_SERVER = ("init_server_state", "payload", "server_update", "contribution"
                  "contribution_sizes", "phase_participants", "gram_weighted", "traffic")
 
 
+def keeps_private_layers(kind: type) -> bool:
+    """Whether algorithm class ``kind`` keeps layers on its clients (``private_layers``)."""
+    return kind.private_layers is not Algorithm.private_layers
+
+
 def fedavg_server_side(kind: type) -> bool:
     """Whether algorithm class ``kind`` has FedAvg's server side (``FEDAVG_SERVER``)."""
     return len(kind.phases) == 1 and all(getattr(kind, h) is getattr(Algorithm, h)

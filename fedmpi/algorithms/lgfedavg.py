@@ -16,23 +16,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .base import register
-from .params import Params, param
-from .private import PrivateLayers, check_names, resolve
+from .fedper import FedPer
+from .params import param
 
 
 @register
-class LGFedAvg(PrivateLayers):
+class LGFedAvg(FedPer):
     name = "lg_fedavg"
     paper = "Liang et al. 2020, arXiv:2001.01523"
 
     @dataclass(frozen=True)
-    class Params(Params):
+    class Params(FedPer.Params):
         private: list = param(["body"], None, "the local layers: module names, or head | "
                                               "body | norm")
-
-        def __post_init__(self):
-            super().__post_init__()
-            check_names(self.private)
-
-    def private_layers(self, module):
-        return resolve(self.params.private, module)

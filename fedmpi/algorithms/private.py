@@ -53,8 +53,7 @@ def check_names(names) -> None:
 def span(flat, names: list[str]) -> tuple[int, int]:
     """The run of parameter coordinates of the layers ``names`` (one contiguous run: the
     head, or the body before it), for ``local_sgd.train``'s ``trainable``."""
-    inside = [s for s in flat.layout[:len(list(flat.module.parameters()))]
-              if any(s.name == n or s.name.startswith(n + ".") for n in names)]
+    inside = [s for s in flat.layout[:len(list(flat.module.parameters()))] if s.within(names)]
     lo = min(s.offset for s in inside)
     hi = max(s.offset + s.numel for s in inside)
     if sum(s.numel for s in inside) != hi - lo:

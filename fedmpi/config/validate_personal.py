@@ -77,9 +77,9 @@ def held_out(c: ExperimentConfig) -> int:
 def _refuse_private_layers(c: ExperimentConfig) -> None:
     """What a method with private layers (fedmpi.runtime.partial) does not run with yet."""
     from ..algorithms import REGISTRY   # deferred: the algorithms import the config
-    from ..algorithms.base import Algorithm
+    from ..algorithms.base import keeps_private_layers   # deferred: likewise
     method = REGISTRY.get(c.algorithm.name)
-    if method is None or method.private_layers is Algorithm.private_layers:
+    if method is None or not keeps_private_layers(method):
         return
     if c.privacy.mechanism != "off":
         raise field_error("privacy.mechanism", f"algorithm {c.algorithm.name!r} keeps private "

@@ -43,15 +43,15 @@ def validate_robust(c: ExperimentConfig) -> None:
 
 def _refuse_robust(c: ExperimentConfig) -> None:
     from ..algorithms import REGISTRY   # deferred: the algorithms import the config
-    from ..algorithms.base import fedavg_server_side   # deferred: likewise
+    from ..algorithms.base import fedavg_server_side, keeps_private_layers   # deferred: likewise
     r, n = c.robust, c.clients.per_round
     if not fedavg_server_side(REGISTRY[c.algorithm.name]):
         able = sorted(k for k, kind in REGISTRY.items() if fedavg_server_side(kind)
-                      and kind.private_layers is REGISTRY["fedavg"].private_layers)
+                      and not keeps_private_layers(kind))
         raise field_error("robust.aggregator", f"replaces the mean of the client deltas, "
                                                f"FedAvg's server side; {c.algorithm.name!r} has "
                                                f"its own; use one of {', '.join(able)}")
-    if REGISTRY[c.algorithm.name].private_layers is not REGISTRY["fedavg"].private_layers:
+    if keeps_private_layers(REGISTRY[c.algorithm.name]):
         raise field_error("robust.aggregator", f"algorithm {c.algorithm.name!r} keeps private "
                                                f"layers; not supported with [robust] yet")
     if c.privacy.mechanism != "off":

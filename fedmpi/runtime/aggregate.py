@@ -106,7 +106,9 @@ class Sharded(WeightedMean):
     per participant (ascending id) and the summed ``delta`` becomes sum_k c_k Delta_k.
     The workspace (the transpose's buffers) is kept from round to round."""
 
-    def __init__(self, comm, device, deterministic: bool, d: int, rule: Callable):
+    per_block = None   # a coordinate-wise rule instead of coefficients (``Robust``)
+
+    def __init__(self, comm, device, deterministic: bool, d: int, rule: Callable | None):
         super().__init__(comm, device, deterministic)
         self.d, self.rule, self.space = d, rule, gram.Workspace()
         self.vectors: dict[int, torch.Tensor] = {}
@@ -120,8 +122,9 @@ class Sharded(WeightedMean):
         t0 = time.perf_counter()
         vectors = [self.vectors[c] for c in sorted(self.vectors)]
         self.vectors = {}
-        combined, _ = gram.weighted_sum(self.comm, vectors, assignment, self.d,
-                                        lambda inner: self.rule(inner, ctx), workspace=self.space)
+        rule = None if self.per_block else lambda inner: self.rule(inner, ctx)
+        combined, _ = gram.weighted_sum(self.comm, vectors, assignment, self.d, rule,
+                                        workspace=self.space, per_block=self.per_block)
         timers.aggregate += time.perf_counter() - t0
         if sums is not None:
             sums["delta"] = combined
@@ -136,21 +139,16 @@ class Robust(Sharded):
     def __init__(self, comm, device, deterministic: bool, d: int, config):
         from . import robust   # deferred: only a robust run needs the rules
         rule = config.robust.aggregator
-        super().__init__(comm, device, deterministic, d, None)
-        self.gram_rule = None if rule in robust.COORDINATE else robust.coefficients(rule, config)
-        self.block_rule = robust.coordinate_rule(rule, config.robust.f) \
-            if rule in robust.COORDINATE else None
+        if rule in robust.COORDINATE:
+            super().__init__(comm, device, deterministic, d, None)
+            self.per_block = robust.coordinate_rule(rule, config.robust.f)
+        else:
+            gram_rule = robust.coefficients(rule, config)
+            super().__init__(comm, device, deterministic, d, lambda inner, ctx: gram_rule(inner))
 
     def reduce(self, assignment, ctx, timers) -> dict | None:
-        sums = WeightedMean.reduce(self, assignment, ctx, timers)
-        t0 = time.perf_counter()
-        vectors = [self.vectors[c] for c in sorted(self.vectors)]
-        self.vectors = {}
-        combined, _ = gram.weighted_sum(self.comm, vectors, assignment, self.d, self.gram_rule,
-                                        workspace=self.space, per_block=self.block_rule)
-        timers.aggregate += time.perf_counter() - t0
+        sums = super().reduce(assignment, ctx, timers)
         if sums is not None:
-            sums["delta"] = combined
             sums["weight"] = torch.ones(1)
         return sums
 

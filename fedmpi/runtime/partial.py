@@ -56,8 +56,7 @@ class SharedMask:
             raise UsageError(f"config field {field}: the model has no layer {unknown[0]!r}; "
                              f"its layers are {layers}")
         self.d = flat.size
-        private = [any(s.name == n or s.name.startswith(n + ".") for n in names)
-                   for s in flat.layout]
+        private = [s.within(names) for s in flat.layout]
         self.shared_runs = _runs([(s.offset, s.numel) for s, p in zip(flat.layout, private)
                                   if not p])
         self.private_runs = _runs([(s.offset, s.numel) for s, p in zip(flat.layout, private)

@@ -29,7 +29,7 @@ import torch
 
 from .. import algorithms
 from ..algorithms import local_sgd
-from ..algorithms.base import fedavg_server_side
+from ..algorithms.base import fedavg_server_side, keeps_private_layers
 from ..config.coerce import field_error
 from ..errors import UsageError
 from . import asyncfl, vclock_inputs
@@ -189,7 +189,7 @@ class Async(Clocked):
         replaces (the method's local update stays its own), and which sends its whole
         model (private layers: not yet)."""
         kind = algorithms.REGISTRY[name]
-        return fedavg_server_side(kind) and kind.private_layers is algorithms.Algorithm.private_layers
+        return fedavg_server_side(kind) and not keeps_private_layers(kind)
 
     @classmethod
     def refuse(cls, c) -> None:
