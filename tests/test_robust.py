@@ -73,33 +73,76 @@ def test_normbound_scales_each_update_to_the_bound_and_averages():
 def test_the_coordinate_rules_are_numpy_s_median_and_trimmed_mean(n):
     x = _updates(n, 6, seed=3)
     rows = torch.from_numpy(x)
-    assert np.allclose(robust.coordinate_rule("median", 0)(rows).numpy(), np.median(x, axis=0))
+    median, share = robust.coordinate_rule("median", 0)(rows)
+    assert np.allclose(median.numpy(), np.median(x, axis=0))
+    # each row's share: 1 where it is the median, 1/2 where one of the two middle values
+    order = np.argsort(x, axis=0, kind="stable")
+    middle = order[(n - 1) // 2:n // 2 + 1]
+    expect = np.zeros(n)
+    np.add.at(expect, middle.reshape(-1), 1.0 / len(middle))
+    assert np.allclose(share.numpy(), expect) and np.isclose(share.sum(), x.shape[1])
     s = np.sort(x, axis=0)
-    assert np.allclose(robust.coordinate_rule("trimmed_mean", 1)(rows).numpy(),
-                       s[1:n - 1].mean(axis=0))
+    trimmed, share = robust.coordinate_rule("trimmed_mean", 1)(rows)
+    assert np.allclose(trimmed.numpy(), s[1:n - 1].mean(axis=0))
+    assert np.isclose(share.sum(), x.shape[1]) and share.min() >= 0
     # f too large for the round: at most (n - 1) // 2 cut a side, never an empty mean
     cut = (n - 1) // 2
-    assert np.allclose(robust.coordinate_rule("trimmed_mean", 9)(rows).numpy(),
+    assert np.allclose(robust.coordinate_rule("trimmed_mean", 9)(rows)[0].numpy(),
                        s[cut:n - cut].mean(axis=0))
 
 
-@pytest.mark.parametrize("rule", ["median", "trimmed_mean", "krum", "multikrum", "geomed",
-                                  "normbound"])
+def _rule(rule, f=1, **robust_values):
+    """(coefficients, per_block) of ``rule`` as the Robust aggregator builds them."""
+    config = cfg.from_dict(merged(TINY, clients={**TINY["clients"], "per_round": 11},
+                                  robust={"aggregator": rule, "f": f, **robust_values}))
+    coef = None if rule in robust.COORDINATE else robust.coefficients(rule, config)
+    per_block = robust.coordinate_rule(rule, f) \
+        if rule in robust.COORDINATE or rule == "bulyan" else None
+    return coef, per_block
+
+
+@pytest.mark.parametrize("rule", ["mean", "median", "trimmed_mean", "krum", "multikrum",
+                                  "geomed", "normbound", "bulyan"])
 def test_every_rule_over_identical_updates_is_that_update(rule):
     """The reduction every rule must meet: identical updates (norm below the bound) give
-    the update itself, the mean's answer, through the sharded path."""
+    the update itself, the mean's answer, through the sharded path; the weights sum to 1."""
     v = torch.from_numpy(_updates(1, 300, seed=4)[0] * 0.01).float()
-    config = cfg.from_dict(merged(TINY, robust={"aggregator": rule, "f": 1, "bound": 10.0}))
-    per_block = robust.coordinate_rule(rule, 1) if rule in robust.COORDINATE else None
-    coef = None if per_block else robust.coefficients(rule, config)
-    total, _ = weighted_sum(LocalComm(), [v.clone() for _ in range(5)],
-                            [np.arange(5)], 300, coef, block=64, per_block=per_block)
+    coef, per_block = _rule(rule, bound=10.0)
+    total, weights = weighted_sum(LocalComm(), [v.clone() for _ in range(7)],
+                                  [np.arange(7)], 300, coef, block=64, per_block=per_block)
     assert torch.allclose(total, v, rtol=1e-6, atol=1e-8)
+    assert np.isclose(weights.sum(), 1.0) and weights.min() >= 0
+
+
+def _bulyan_reference(x, f):
+    n = len(x)
+    left, chosen = list(range(n)), []
+    for _ in range(n - 2 * f):
+        pick = left[int(np.argmin(_krum_reference(x[left], f)))]
+        chosen.append(pick)
+        left.remove(pick)
+    sub = x[sorted(chosen)]
+    beta = len(sub) - 2 * f
+    med = np.median(sub, axis=0)
+    nearest = np.argsort(np.abs(sub - med), axis=0, kind="stable")[:beta]
+    return np.take_along_axis(sub, nearest, axis=0).mean(axis=0), sorted(chosen)
+
+
+def test_bulyan_is_the_reference_s_krum_selection_then_trimmed_around_the_median():
+    x = _updates(11, 40, seed=6)
+    x[[1, 7]] += 30.0                              # two outliers, f = 2: n >= 4f + 3
+    ref, chosen = _bulyan_reference(x, 2)
+    coef, per_block = _rule("bulyan", f=2)
+    total, weights = weighted_sum(LocalComm(), [torch.from_numpy(v).float() for v in x],
+                                  [np.arange(11)], 40, coef, block=16, per_block=per_block)
+    assert np.allclose(total.numpy(), ref.astype(np.float32), atol=1e-5)
+    assert set(np.flatnonzero(weights)) <= set(chosen) and weights[1] == weights[7] == 0
+    assert np.isclose(weights.sum(), 1.0)
 
 
 def test_f_0_trimmed_mean_is_the_plain_mean_of_the_updates():
     x = torch.from_numpy(_updates(4, 10, seed=5))
-    assert torch.allclose(robust.coordinate_rule("trimmed_mean", 0)(x), x.mean(dim=0))
+    assert torch.allclose(robust.coordinate_rule("trimmed_mean", 0)(x)[0], x.mean(dim=0))
 
 
 def _first_round(r):
@@ -160,7 +203,23 @@ def test_a_robust_rule_is_the_same_bits_for_1_and_n_ranks(tmp_path, rule, ranks)
 
 
 @pytest.mark.parametrize("over, message", [
-    ({"robust": {"aggregator": "bulyan"}}, "robust.aggregator: 'bulyan' is not allowed"),
+    ({"robust": {"aggregator": "fltrust"}}, "robust.aggregator: 'fltrust' is not allowed"),
+    ({"robust": {"aggregator": "bulyan", "f": 1}},
+     "robust.f: bulyan with f = 1 needs at least 7 clients a round (clients.per_round = 5)"),
+    ({"attack": {"kind": "alie", "fraction": 0.2}},
+     "attack.kind: 'alie' rewrites the updates where the robust rules read them; set "
+     "robust.aggregator (\"mean\" for no defence)"),
+    ({"attack": {"kind": "min_max", "fraction": 0.2, "direction": "up"},
+      "robust": {"aggregator": "mean"}},
+     "attack.direction: 'up' is not allowed; choose one of std, sign, unit"),
+    ({"attack": {"kind": "backdoor", "fraction": 0.2}},
+     "attack.target: backdoor needs the trigger's label: a class >= 0"),
+    ({"attack": {"kind": "label_flip", "fraction": 0.2, "target": -2}},
+     "attack.target: must be -1 or a class >= 0, got -2"),
+    ({"attack": {"kind": "backdoor", "fraction": 0.2, "target": 0, "poison_fraction": 0.0}},
+     "attack.poison_fraction: must be a fraction in (0, 1], got 0.0"),
+    ({"attack": {"kind": "backdoor", "fraction": 0.2, "target": 0, "trigger": 0}},
+     "attack.trigger: must be an integer >= 1, got 0"),
     ({"robust": {"aggregator": "krum", "f": -1}}, "robust.f: must be an integer >= 0, got -1"),
     ({"robust": {"aggregator": "krum", "f": 2}},
      "robust.f: krum with f = 2 needs at least 7 clients a round (clients.per_round = 5)"),
@@ -176,7 +235,7 @@ def test_a_robust_rule_is_the_same_bits_for_1_and_n_ranks(tmp_path, rule, ranks)
     ({"attack": {"kind": "sign_flip", "fraction": -0.1}},
      "attack.fraction: must be a fraction in [0, 1)"),
     ({"attack": {"kind": "sign_flip"}}, "attack.fraction: attack.kind 'sign_flip' needs"),
-    ({"attack": {"kind": "backdoor", "fraction": 0.2}}, "attack.kind: 'backdoor' is not allowed"),
+    ({"attack": {"kind": "poison", "fraction": 0.2}}, "attack.kind: 'poison' is not allowed"),
     ({"attack": {"kind": "gaussian", "fraction": 0.2, "std": 0.0}},
      "attack.std: must be a finite number > 0, got 0.0"),
 ])

@@ -33,9 +33,12 @@ Sections of a TOML file (every key optional)::
                  state_dir, checkpoint_every
     [privacy]    mechanism (off | central | local | sample), clip, noise_multiplier, target_epsilon, delta,
                  accountant (auto | pld | rdp); docs/privacy.md
-    [robust]     aggregator (none | median | trimmed_mean | krum | multikrum | geomed |
-                 normbound), f, bound, geomed_iterations, geomed_nu; docs/robustness.md
-    [attack]     kind (none | sign_flip | scale | gaussian), fraction, scale, std
+    [robust]     aggregator (none | mean | median | trimmed_mean | krum | multikrum |
+                 geomed | normbound | bulyan), f, bound, geomed_iterations, geomed_nu;
+                 docs/robustness.md
+    [attack]     kind (none | sign_flip | scale | gaussian | alie | ipm | min_max | min_sum |
+                 label_flip | backdoor), fraction, scale, std, direction, target, trigger,
+                 poison_fraction
 """
 
 from .coerce import INT_MAX, SEED_MAX, build, check_scalar, field_error

@@ -275,10 +275,11 @@ class PrivacyConfig:
 @dataclass
 class RobustConfig:
     """Byzantine-robust aggregation (fedmpi.runtime.robust): off by default."""
-    aggregator: str = "none"           # none | median | trimmed_mean | krum | multikrum |
-                                       # geomed | normbound, in place of the mean of the updates
-    f: int = 0                         # Byzantine clients assumed a round: krum's and multikrum's
-                                       # f, the trimmed mean's cut at each end
+    aggregator: str = "none"           # none | mean | median | trimmed_mean | krum | multikrum |
+                                       # geomed | normbound | bulyan, in place of the mean of
+                                       # the updates (mean: the raw updates' plain mean)
+    f: int = 0                         # Byzantine clients assumed a round: krum's, multikrum's
+                                       # and bulyan's f, the trimmed mean's cut at each end
     bound: float = 1.0                 # normbound: each update scaled to norm at most this
     geomed_iterations: int = 10        # geomed: smoothed Weiszfeld iterations
     geomed_nu: float = 1e-6            # geomed: the smoothing (a distance below it counts as it)
@@ -286,12 +287,21 @@ class RobustConfig:
 
 @dataclass
 class AttackConfig:
-    """Malicious clients (fedmpi.runtime.attacks): off by default."""
+    """Malicious clients (fedmpi.runtime.attacks, .omniscient, .poison): off by default."""
     kind: str = "none"                 # none | sign_flip (-scale Delta) | scale (scale Delta:
-                                       # model replacement's boost) | gaussian (N(0, std^2))
+                                       # model replacement's boost) | gaussian (N(0, std^2)) |
+                                       # alie | ipm | min_max | min_sum (colluding, from the
+                                       # benign updates) | label_flip | backdoor (data)
     fraction: float = 0.0              # the keyed share of the population that attacks
-    scale: float = 1.0                 # sign_flip, scale: the factor
+    scale: float = 1.0                 # sign_flip, scale: the factor; ipm: epsilon
     std: float = 1.0                   # gaussian: the noise's std per coordinate
+    direction: str = "std"             # min_max, min_sum: the perturbation, std | sign | unit
+    target: int = -1                   # label_flip: -1 maps y to C - 1 - y, c >= 0 every label
+                                       # to c; backdoor: the trigger's label (required)
+    trigger: int = 3                   # backdoor: side in pixels of the white square placed
+                                       # in each poisoned image's bottom-right corner
+    poison_fraction: float = 0.5       # backdoor: the keyed share of a malicious client's
+                                       # samples that carry the trigger (and the target label)
 
 
 @dataclass

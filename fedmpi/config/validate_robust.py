@@ -8,7 +8,10 @@ from .coerce import INT_MAX, field_error
 from .schema import ExperimentConfig
 from .vocab import ASYNC_MODES
 
-ATTACKS = ("none", "sign_flip", "scale", "gaussian")
+MODEL_ATTACKS = ("sign_flip", "scale", "gaussian")
+COHORT_ATTACKS = ("alie", "ipm", "min_max", "min_sum")   # fedmpi.runtime.omniscient
+DATA_ATTACKS = ("label_flip", "backdoor")                # fedmpi.runtime.poison
+ATTACKS = ("none", *MODEL_ATTACKS, *COHORT_ATTACKS, *DATA_ATTACKS)
 
 
 def validate_robust(c: ExperimentConfig) -> None:
@@ -37,8 +40,30 @@ def validate_robust(c: ExperimentConfig) -> None:
                 or not math.isfinite(value):
             raise field_error(f"attack.{name}", f"must be a finite number, got {value!r}")
     _positive("attack.std", a.std)
+    _attack_options(c)
     if r.aggregator != "none":
         _refuse_robust(c)
+
+
+def _attack_options(c: ExperimentConfig) -> None:
+    from ..runtime.omniscient import DIRECTIONS   # deferred: the runtime imports the config
+    a = c.attack
+    if a.direction not in DIRECTIONS:
+        raise field_error("attack.direction", f"{a.direction!r} is not allowed; choose one of "
+                                              f"{', '.join(DIRECTIONS)}")
+    if a.kind in COHORT_ATTACKS and c.robust.aggregator == "none":
+        raise field_error("attack.kind", f"{a.kind!r} rewrites the updates where the robust "
+                                         f"rules read them; set robust.aggregator (\"mean\" "
+                                         f"for no defence)")
+    _integer("attack.trigger", a.trigger, 1)
+    if isinstance(a.target, bool) or not isinstance(a.target, int) or a.target < -1 \
+            or a.target > INT_MAX:
+        raise field_error("attack.target", f"must be -1 or a class >= 0, got {a.target!r}")
+    p = a.poison_fraction
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+        raise field_error("attack.poison_fraction", f"must be a fraction in (0, 1], got {p!r}")
+    if a.kind == "backdoor" and a.target < 0:
+        raise field_error("attack.target", "backdoor needs the trigger's label: a class >= 0")
 
 
 def _refuse_robust(c: ExperimentConfig) -> None:
@@ -59,7 +84,8 @@ def _refuse_robust(c: ExperimentConfig) -> None:
                                                "mean; not supported with [robust] yet")
     if c.system_model.profiles != "off" and c.system_model.policy in ASYNC_MODES:
         raise field_error("robust.aggregator", "needs a synchronous system_model.policy")
-    need = {"krum": 2 * r.f + 3, "multikrum": 2 * r.f + 3, "trimmed_mean": 2 * r.f + 1}
+    need = {"krum": 2 * r.f + 3, "multikrum": 2 * r.f + 3, "trimmed_mean": 2 * r.f + 1,
+            "bulyan": 4 * r.f + 3}
     if r.aggregator in need and n < need[r.aggregator] and c.clients.sampling != "bernoulli":
         raise field_error("robust.f", f"{r.aggregator} with f = {r.f} needs at least "
                                       f"{need[r.aggregator]} clients a round "

@@ -46,7 +46,7 @@ RESERVED_ATTRS = frozenset(
 
 # Counts and identifiers: stored exactly as int64 instead of float64.
 INT_FIELDS = frozenset({"round", "client", "rank", "n_samples", "steps", "bytes_down", "bytes_up",
-                        "bytes_sent", "bytes_received", "n_test", "held_out"})
+                        "bytes_sent", "bytes_received", "n_test", "held_out", "malicious"})
 INT_FILL = -1
 
 # What the runtime writes (the writer accepts any field list; these are the documented ones).

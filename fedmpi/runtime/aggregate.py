@@ -73,6 +73,8 @@ class Contributions:
 class WeightedMean:
     """The contributions summed: one Reduce, or in client order if deterministic."""
 
+    client_fields: list[str] = []   # /clients columns of its own (``columns``)
+
     def __init__(self, comm, device, deterministic: bool):
         self.comm, self.device, self.deterministic = comm, device, deterministic
         self.folded: Contributions | None = None
@@ -99,6 +101,10 @@ class WeightedMean:
                 return None
         return split(total, list(folded.sizes.items()), torch.device("cpu"))
 
+    def columns(self) -> dict:
+        """The server's /clients values of the last reduce, participants in ascending id."""
+        return {}
+
 
 class Sharded(WeightedMean):
     """The sums, then a rule over every participant's kept update, computed where the
@@ -106,12 +112,14 @@ class Sharded(WeightedMean):
     per participant (ascending id) and the summed ``delta`` becomes sum_k c_k Delta_k.
     The workspace (the transpose's buffers) is kept from round to round."""
 
-    per_block = None   # a coordinate-wise rule instead of coefficients (``Robust``)
+    per_block = None   # a coordinate-wise rule (``Robust``): instead of, or after, ``rule``
+    cohort = None      # colluding attackers' rows (fedmpi.runtime.omniscient)
 
     def __init__(self, comm, device, deterministic: bool, d: int, rule: Callable | None):
         super().__init__(comm, device, deterministic)
         self.d, self.rule, self.space = d, rule, gram.Workspace()
         self.vectors: dict[int, torch.Tensor] = {}
+        self.weights = None   # the server's: each participant's weight in the last reduce
 
     def fold(self, c: int, contribution: dict, delta: torch.Tensor) -> None:
         super().fold(c, contribution, delta)
@@ -122,9 +130,10 @@ class Sharded(WeightedMean):
         t0 = time.perf_counter()
         vectors = [self.vectors[c] for c in sorted(self.vectors)]
         self.vectors = {}
-        rule = None if self.per_block else lambda inner: self.rule(inner, ctx)
-        combined, _ = gram.weighted_sum(self.comm, vectors, assignment, self.d, rule,
-                                        workspace=self.space, per_block=self.per_block)
+        rule = None if self.rule is None else (lambda inner: self.rule(inner, ctx))
+        combined, self.weights = gram.weighted_sum(
+            self.comm, vectors, assignment, self.d, rule, workspace=self.space,
+            per_block=self.per_block, cohort=self.cohort)
         timers.aggregate += time.perf_counter() - t0
         if sums is not None:
             sums["delta"] = combined
@@ -134,23 +143,34 @@ class Sharded(WeightedMean):
 class Robust(Sharded):
     """``[robust]`` (fedmpi.runtime.robust): the sums, then a robust rule over the raw
     updates Delta_k in the summed ``delta``'s place, as a mean (``weight`` 1): a Gram rule's
-    coefficients, or a coordinate rule on each worker's run of coordinates."""
+    coefficients, a coordinate rule on each worker's run of coordinates, or both
+    (Bulyan). Each participant's weight goes to /clients (``robust_weight``); the
+    omniscient attacks rewrite the malicious rows first."""
+
+    client_fields = ["robust_weight"]
 
     def __init__(self, comm, device, deterministic: bool, d: int, config):
-        from . import robust   # deferred: only a robust run needs the rules
+        from . import omniscient, robust   # deferred: only a robust run needs the rules
+        from .attacks import malicious   # deferred: likewise
         rule = config.robust.aggregator
-        if rule in robust.COORDINATE:
-            super().__init__(comm, device, deterministic, d, None)
+        gram_rule = None
+        if rule not in robust.COORDINATE:
+            coefficients = robust.coefficients(rule, config)
+            gram_rule = (lambda inner, ctx: coefficients(inner))
+        super().__init__(comm, device, deterministic, d, gram_rule)
+        if rule in robust.COORDINATE or rule == "bulyan":
             self.per_block = robust.coordinate_rule(rule, config.robust.f)
-        else:
-            gram_rule = robust.coefficients(rule, config)
-            super().__init__(comm, device, deterministic, d, lambda inner, ctx: gram_rule(inner))
+        if config.attack.kind in omniscient.KINDS:
+            self.cohort = omniscient.CohortAttack(config, malicious(config))
 
     def reduce(self, assignment, ctx, timers) -> dict | None:
         sums = super().reduce(assignment, ctx, timers)
         if sums is not None:
             sums["weight"] = torch.ones(1)
         return sums
+
+    def columns(self) -> dict:
+        return {"robust_weight": self.weights}
 
 
 def aggregator_for(alg, phase: str, comm, device, deterministic: bool, d: int,

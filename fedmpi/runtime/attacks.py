@@ -1,6 +1,10 @@
 """Malicious clients (``[attack]``): a keyed set of the population whose uploads are
 poisoned, a client stage that runs first on the worker that trained the client (before a
 clip or a codec: what the attacker sends is what the pipeline then treats as its upload).
+The colluding attacks (``alie``, ``ipm``, ``min_max``, ``min_sum``) act where the robust
+rule reads the updates (fedmpi.runtime.omniscient), the data attacks (``label_flip``,
+``backdoor``) on the malicious clients' batches (fedmpi.runtime.poison); for those this
+stage only marks the attackers in /clients (``malicious``, 1 or 0).
 
 Model poisoning, on the client's update Delta (what it computed honestly):
 
@@ -23,6 +27,8 @@ import torch
 from .rng import numpy_rng, torch_generator
 from .stages import ClientStage
 
+MODEL = ("sign_flip", "scale", "gaussian")
+
 
 def malicious(config) -> np.ndarray:
     """The attacking identities, ascending (empty without an attack)."""
@@ -35,16 +41,24 @@ def malicious(config) -> np.ndarray:
 
 
 class ModelPoisoning(ClientStage):
-    """The ``[attack]`` stage: a malicious client's upload poisoned (module docstring)."""
+    """The ``[attack]`` stage: a malicious client's upload poisoned (module docstring), and
+    every participant marked malicious or not in /clients."""
+
+    client_fields = ["malicious"]
 
     def __init__(self, config):
         self.kind, self.scale, self.std = config.attack.kind, config.attack.scale, config.attack.std
         self.seed = config.seed
-        self.ids = set(malicious(config).tolist())
+        self.marked = malicious(config)
+        self.ids = set(self.marked.tolist())
+
+    def columns(self, clients):
+        return {"malicious": np.isin(np.asarray(clients, dtype=np.int64), self.marked)
+                .astype(np.int64)}
 
     def upload(self, upload, state, key):
         t, c, _ = key
-        if c not in self.ids:
+        if c not in self.ids or self.kind not in MODEL:
             return upload, {}
         delta = upload.delta
         if self.kind == "sign_flip":

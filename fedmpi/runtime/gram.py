@@ -98,17 +98,24 @@ class Workspace:
 def weighted_sum(comm, vectors: list[torch.Tensor], assignment, d: int,
                  coefficients: Callable[[np.ndarray], np.ndarray] | None,
                  block: int = BLOCK, workspace: Workspace | None = None,
-                 per_block: Callable[[torch.Tensor], torch.Tensor] | None = None
+                 per_block: Callable | None = None, cohort=None
                  ) -> tuple[torch.Tensor | None, np.ndarray | None]:
     """sum_k c_k v_k on the server, with c = coefficients(G) computed there from the Gram
     matrix G (float64, K x K, clients in ascending id) of every participant's vector; or,
-    with ``per_block`` (a coordinate-wise rule: float64 [K, width] -> [width]) instead of
-    coefficients, that rule's values block by block (no Gram; c is None).
+    with ``per_block`` (a coordinate-wise rule: (float64 [K, width], c or None) -> (values
+    [width], each row's weight summed over the block [K])), that rule's values block by
+    block, given c where ``coefficients`` is given too (Bulyan's selection), else without
+    a Gram matrix.
+
+    ``cohort`` (fedmpi.runtime.omniscient): rewrites some rows of every block from the
+    others' statistics before anything reads them (colluding attackers); where it needs
+    global statistics it gets them first from one more pass over the blocks.
 
     Every rank calls this. ``vectors`` are this worker's clients' vectors (length d) in
     the order of ``assignment[worker_index]``. ``workspace``: this rank's buffers, kept
-    across calls (None: new ones for this call). Returns (sum as float32 [d], c) on the
-    server and (None, None) elsewhere.
+    across calls (None: new ones for this call). Returns, on the server, the sum as
+    float32 [d] and each participant's weight in it (ascending id: c, or a coordinate
+    rule's weights averaged over the d coordinates); (None, None) elsewhere.
     """
     space = workspace if workspace is not None else Workspace()
     blocks = block_ranges(d, block)
@@ -140,9 +147,9 @@ def weighted_sum(comm, vectors: list[torch.Tensor], assignment, d: int,
     # where it is used (Gram, then weighted sum), with no allocation per block
     buffer = space.block(k * min(block, d) if len(mine) else 0)
 
-    def rows(b: int) -> torch.Tensor:
+    def rows(b: int, honest: bool = False) -> torch.Tensor:
         """Block b (one of mine) of the K vectors: float64 [K, width], clients in
-        ascending id."""
+        ascending id (the cohort attack's rows in place unless ``honest``)."""
         s, e = blocks[b]
         a = buffer[:k * (e - s)].view(k, e - s)
         target = a.numpy()
@@ -152,12 +159,28 @@ def weighted_sum(comm, vectors: list[torch.Tensor], assignment, d: int,
                     target[row] = v[s:e]
             elif sent[w] is not None:
                 target[rows_of[w]] = sent[w][:, s - start:e - start]
+        if attack is not None and not honest:
+            attack.apply(a, shared)
         return a
+
+    # 1b. a cohort attack: its statistics of the honest rows (partials per block, added
+    #     in block order on the server), then what it sends from them, to every worker
+    attack = cohort.round(order) if cohort is not None else None
+    shared = None
+    if attack is not None:
+        partials = [attack.statistics(rows(b, honest=True)) for b in mine] \
+            if attack.needs_statistics else []
+        gathered = comm.gatherv(np.concatenate(partials) if partials else np.zeros(0))
+        shared = np.zeros(attack.shared_size)
+        if comm.is_server:
+            shared = attack.solve(np.concatenate(gathered).reshape(-1, attack.statistics_size)
+                                  if attack.needs_statistics else None)
+        comm.bcast(shared)
 
     # 2. Gram partials (torch's kernel, at the run's thread count), gathered in worker
     #    order, which is block order, and added in that order
     coef = None
-    if per_block is None:
+    if coefficients is not None:
         partials = np.zeros((len(mine), k, k))
         for i, b in enumerate(mine):
             a = rows(b)
@@ -171,17 +194,32 @@ def weighted_sum(comm, vectors: list[torch.Tensor], assignment, d: int,
             coef = np.asarray(coefficients(gram), dtype=np.float64).reshape(k)
         # 3. coefficients to the workers
         comm.bcast(coef)
+    if per_block is None:
         weights = torch.from_numpy(coef)
-        per_block = weights.__matmul__   # one float64 product per block: a fixed shape
+        rule = lambda a, c: (weights @ a, None)   # one float64 product per block: a fixed shape
+    else:
+        rule = per_block
 
     # 4. each block's weighted sum (or rule), gathered to the server: the spans in worker
-    #    order are the d coordinates in order
+    #    order are the d coordinates in order; a coordinate rule's row weights, summed
+    #    over the worker's blocks, to the server too (added in worker order)
     sums = space.array("sums", end - start)
-    for b in mine:
+    shares = np.zeros((len(mine), k))
+    for i, b in enumerate(mine):
         s, e = blocks[b]
-        sums[s - start:e - start] = per_block(rows(b)).float().numpy()
+        values, share = rule(rows(b), coef)
+        sums[s - start:e - start] = values.float().numpy()
+        if share is not None:
+            shares[i] = share.numpy()
     # gathered straight into the result: the server's part is empty where it has no
     # blocks, and all of it where it is the only rank
     total = host_vector(d, zeros=False) if comm.is_server else None
     comm.gatherv(sums, out=total.numpy() if comm.is_server else None)
+    if per_block is not None:   # a coordinate rule's weights, added in block order
+        parts = comm.gatherv(shares.reshape(-1))
+        if comm.is_server:
+            coef = np.zeros(k)
+            for share in np.concatenate(parts).reshape(-1, k):
+                coef += share
+            coef /= max(d, 1)
     return (total, coef) if comm.is_server else (None, None)

@@ -139,7 +139,10 @@ class Phases:
         n = len(participants)
         traffic.add(down, up, n)
         rows = {**self.unused_columns(phase, n), **gathered, "phase": np.full(n, p),
-                "bytes_down": np.full(n, down), "bytes_up": np.full(n, up)}
+                "bytes_down": np.full(n, down), "bytes_up": np.full(n, up),
+                **self.aggregators[p].columns()}
+        for stage in self.stages:   # the attackers' mark
+            rows.update(stage.columns(gathered["client"]))
         return PhaseResult(sums, gathered, diagnostics, rows)
 
     def summarize(self, p: int, extra: dict, gathered: dict) -> dict:

@@ -14,11 +14,16 @@ and the aggregate sum_k c_k Delta_k:
   iterations, z = sum_k w_k Delta_k with w_k proportional to 1 / max(nu, ||z -
   Delta_k||), the distances from G as z stays in the updates' span;
 - ``normbound`` (Sun et al. 2019): the mean of the updates each scaled to norm at most
-  ``bound``.
+  ``bound``;
+- ``bulyan`` (El Mhamdi et al. 2018): n - 2f updates chosen by Krum one after another (each
+  from those left), then, coordinate by coordinate, the mean of the n - 4f chosen values
+  closest to their median: a Gram selection, then a coordinate rule on the chosen rows.
 
 Coordinate rules run on the transposed blocks, each worker its run of coordinates of
 every update:
 
+- ``mean``: the plain mean of the raw updates (no defence: the reference every rule is
+  compared with, and the aggregate the cohort attacks of fedmpi.runtime.omniscient need);
 - ``median``: the coordinate-wise median (the mean of the two middle values for even n);
 - ``trimmed_mean`` (Yin et al. 2018): the coordinate-wise mean after removing the f
   largest and f smallest values.
@@ -26,7 +31,12 @@ every update:
 A rule sees the raw updates Delta_k, never n_k Delta_k (a weight a client reports would
 let it grow its say), and every rule is a plain mean when all updates are equal. Where a
 round has too few participants for f (Bernoulli sampling, dropouts), the rule uses what
-it can: Krum at least one neighbour, the trimmed mean at most (n - 1) // 2 a side.
+it can: Krum at least one neighbour, the trimmed mean at most (n - 1) // 2 a side, Bulyan
+at least one update chosen and one value a coordinate.
+
+Every rule also says how much each update counted (``weights``, summing to 1, recorded
+per client in /clients as ``robust_weight``): a Gram rule's coefficient; a coordinate
+rule's share of the coordinates, where a value kept among m counts 1/m.
 """
 
 from __future__ import annotations
@@ -34,8 +44,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-RULES = ("none", "median", "trimmed_mean", "krum", "multikrum", "geomed", "normbound")
-COORDINATE = ("median", "trimmed_mean")
+RULES = ("none", "mean", "median", "trimmed_mean", "krum", "multikrum", "geomed", "normbound",
+         "bulyan")
+COORDINATE = ("mean", "median", "trimmed_mean")   # no Gram matrix: a rule on the shards
 
 
 def distances(gram: np.ndarray) -> np.ndarray:
@@ -89,23 +100,63 @@ def normbound(gram: np.ndarray, bound: float) -> np.ndarray:
     return scale / len(gram)
 
 
+def bulyan_selection(gram: np.ndarray, f: int) -> np.ndarray:
+    """Bulyan's first stage: n - 2f updates (at least 1), each the Krum choice among those
+    not yet chosen; 1 for a chosen update, 0 otherwise."""
+    n = len(gram)
+    left = list(range(n))
+    chosen = np.zeros(n)
+    for _ in range(max(1, n - 2 * f)):
+        pick = left[int(np.argmin(krum_scores(gram[np.ix_(left, left)], f)))]
+        chosen[pick] = 1.0
+        left.remove(pick)
+    return chosen
+
+
 def coefficients(rule: str, config):
-    """The Gram rule of ``rule`` as ``gram -> c``."""
+    """The Gram rule of ``rule`` as ``gram -> c`` (Bulyan's: its selection)."""
     r = config.robust
     return {"krum": lambda g: krum(g, r.f), "multikrum": lambda g: multikrum(g, r.f),
             "geomed": lambda g: geomed(g, r.geomed_iterations, r.geomed_nu),
-            "normbound": lambda g: normbound(g, r.bound)}[rule]
+            "normbound": lambda g: normbound(g, r.bound),
+            "bulyan": lambda g: bulyan_selection(g, r.f)}[rule]
 
 
 def coordinate_rule(rule: str, f: int):
-    """The coordinate rule of ``rule`` on a block of rows (float64 [n, width])."""
-    def median(rows: torch.Tensor) -> torch.Tensor:
-        s = torch.sort(rows, dim=0).values
-        n = len(s)
-        return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+    """The coordinate rule of ``rule`` on a block of rows (float64 [n, width]), given the
+    Gram rule's coefficients (Bulyan's selection; None for the others): (values [width],
+    each row's summed weight over the block's coordinates [n])."""
+    def kept(rows: torch.Tensor, index: torch.Tensor, lo: int, hi: int):
+        """The mean of the sorted values lo..hi-1 of each column, and each row's share."""
+        count = torch.zeros(len(rows), dtype=torch.float64)
+        count.index_add_(0, index[lo:hi].reshape(-1),
+                         torch.full(((hi - lo) * rows.shape[1],), 1.0 / (hi - lo),
+                                    dtype=torch.float64))
+        return torch.gather(rows, 0, index[lo:hi]).mean(dim=0), count
 
-    def trimmed(rows: torch.Tensor) -> torch.Tensor:
-        s = torch.sort(rows, dim=0).values
-        cut = min(f, (len(s) - 1) // 2)
-        return s[cut:len(s) - cut].mean(dim=0)
-    return median if rule == "median" else trimmed
+    def mean(rows, coef=None):
+        return rows.mean(dim=0), torch.full((len(rows),), rows.shape[1] / len(rows),
+                                            dtype=torch.float64)
+
+    def median(rows, coef=None):
+        n = len(rows)
+        index = torch.sort(rows, dim=0, stable=True).indices
+        return kept(rows, index, (n - 1) // 2, n // 2 + 1)
+
+    def trimmed(rows, coef=None):
+        n = len(rows)
+        cut = min(f, (n - 1) // 2)
+        return kept(rows, torch.sort(rows, dim=0, stable=True).indices, cut, n - cut)
+
+    def bulyan(rows, coef):
+        chosen = torch.from_numpy(np.flatnonzero(coef))
+        sub = rows[chosen]
+        theta = len(sub)
+        beta = max(1, theta - 2 * f)
+        middle, _ = median(sub)
+        index = torch.sort((sub - middle).abs(), dim=0, stable=True).indices
+        values, share = kept(sub, index, 0, beta)
+        count = torch.zeros(len(rows), dtype=torch.float64)
+        count[chosen] = share
+        return values, count
+    return {"mean": mean, "median": median, "trimmed_mean": trimmed, "bulyan": bulyan}[rule]

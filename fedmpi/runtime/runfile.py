@@ -51,6 +51,8 @@ def create_file(exp, dataset, ranks) -> bool:
     stage = exp.participation   # its columns, its provenance, its datasets under /partition
     round_fields = ROUND_FIELDS + list(exp.alg.diagnostic_fields) + stage.round_fields
     clients = client_fields(exp.alg, exp.wire) + stage.client_fields
+    for own in (*exp.phases.stages, *exp.phases.aggregators):   # [attack], [robust]
+        clients += [f for f in own.client_fields if f not in clients]
     private = next((s for s in exp.phases.stages if isinstance(s, PrivateLayers)), None)
     if private is not None:   # private layers: what travels (fedmpi.runtime.partial)
         provenance.update(shared_params=exp.wire, private_params=private.mask.d_private,

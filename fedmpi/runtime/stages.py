@@ -18,6 +18,8 @@ the algorithm's ``contribution``, then the stages that act on it.
 
 from __future__ import annotations
 
+import numpy as np
+
 from .compression import Compression
 from .stats import STAT_SIZES_KEYS, stat_contribution, update_statistics
 
@@ -26,6 +28,7 @@ class ClientStage:
     """The identity stage; subclasses override what they do."""
 
     personalised = False   # True: ``personal`` gives each client a model of its own
+    client_fields: list[str] = []   # /clients columns of its own (``columns``)
 
     def compact(self, payload: dict) -> dict:
         """Server, before the payload is encoded: what of it travels (private layers:
@@ -72,6 +75,11 @@ class ClientStage:
 
     def summarize(self, p: int, sums: dict, gathered: dict) -> dict:
         """Server: round diagnostics from this stage's extra sums and the client rows."""
+        return {}
+
+    def columns(self, clients: np.ndarray) -> dict:
+        """Server: this stage's /clients values for a phase's participants (``clients``,
+        ascending id)."""
         return {}
 
 
