@@ -59,12 +59,15 @@ class DeviceData:
 
     def client(self, indices: np.ndarray, seed: int, round_: int, client: int,
                phase: int, split: str = "train", stream: str = "",
-               skew: ClientSkew | None = None) -> "TensorClientData":
+               skew: ClientSkew | None = None, poison=None) -> "TensorClientData":
         """A client's view of ``indices`` into ``split`` (train, or test for FNR-FL's leaky
         public set); ``stream`` names a separate random stream (the public set's). A stream
-        in UNAUGMENTED_STREAMS is read without the crop/flip whatever ``data.augment`` says."""
-        return TensorClientData(self, indices, seed, (round_, client, phase), split, stream, skew,
-                                augment=False if stream in UNAUGMENTED_STREAMS else None)
+        in UNAUGMENTED_STREAMS is read without the crop/flip whatever ``data.augment`` says.
+        ``poison``: a malicious client's (fedmpi.runtime.poison.ClientPoison)."""
+        view = TensorClientData(self, indices, seed, (round_, client, phase), split, stream,
+                                skew, augment=False if stream in UNAUGMENTED_STREAMS else None)
+        view.poison = poison
+        return view
 
 
 class TensorClientData(ClientData):
@@ -82,6 +85,12 @@ class TensorClientData(ClientData):
         self.num_samples = len(indices)
         self.seed, self.key = seed, key
         self._label_counts = None
+        self.poison = None   # a malicious client's batches' poison (fedmpi.runtime.poison)
+
+    def _poisoned(self, batch: torch.Tensor):
+        """The batch's images and labels, through the client's poison if it has one."""
+        x, y = self.x[batch], self.y[batch]
+        return (x, y) if self.poison is None else self.poison.apply(batch, x, y)
 
     def label_counts(self, num_classes: int) -> torch.Tensor:
         """``ClientData.label_counts``: computed once per client object, on the device, by
@@ -98,7 +107,8 @@ class TensorClientData(ClientData):
 
     def batches(self, epochs: int, batch_size: int):
         for batch, aug in self._index_batches(epochs, batch_size):
-            yield self.data.prepare(self.x[batch], aug, self.skew, self.augment), self.y[batch]
+            x, y = self._poisoned(batch)
+            yield self.data.prepare(x, aug, self.skew, self.augment), y
 
     def poisson_batches(self, steps: int, rate: float):
         """Sample-level DP-SGD's batches: at each of ``steps`` steps every sample is in
@@ -112,7 +122,8 @@ class TensorClientData(ClientData):
             idx = self.indices[torch.rand(self.num_samples, generator=draw, dtype=torch.float64) < rate]
             if self.data.device.type == "cuda":
                 idx = idx.to(self.data.device)
-            yield self.data.prepare(self.x[idx], aug, self.skew, self.augment), self.y[idx]
+            x, y = self._poisoned(idx)
+            yield self.data.prepare(x, aug, self.skew, self.augment), y
 
     def view_batches(self, epochs: int, batch_size: int):
         """((view1, view2), y): SimCLR's two augmentations, normalised with the dataset's
@@ -133,14 +144,15 @@ class TensorClientData(ClientData):
         sent to the device once; a step is then one gather and one conversion of a x B
         samples, not a of each. The values are the per-client path's, bit for bit (the
         conversion is per sample). Where a batch's conversion draws randomness
-        (augmentation, feature skew) or the clients read different tensors, the
-        per-client path serves. (A W2 round's batches, 50 clients: 29.9 ms per client and
+        (augmentation, feature skew), the clients read different tensors or one is
+        poisoned (its labels mapped), the per-client path serves. (A W2 round's batches, 50 clients: 29.9 ms per client and
         5.1 ms gathered on an H200; 14 and 3.2-3.6 ms on a 2-core CPU, where assembling
         the index in torch, not numpy, took 5.1 ms; ``benchmarks/cross_device.py
         --batches``.)"""
         first = clients[0] if clients else None
         if first is None or any(c.data is not first.data or c.x is not first.x
-                                or c._draws_randomness() for c in clients):
+                                or c._draws_randomness() or c.poison is not None
+                                for c in clients):
             yield from super().group_batches(clients, epochs, batch_size)
             return
         active = active_counts(clients, epochs, batch_size)

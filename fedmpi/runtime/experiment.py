@@ -45,6 +45,7 @@ from .observers.preemption import EXIT_PREEMPTED, PREEMPTED
 from .partial import private_stage
 from .participation import measure_step_time, participation
 from .phase import Phases, StopRun, round_context
+from .poison import poisoning
 from .records import (CLIENT_FIELDS, RANK_FIELDS, ROUND_FIELDS, Timers, Traffic, client_columns,
                       gather_ranks, rank_columns, round_row, start_row, unrecorded)
 from .rng import key_seed, seed_global
@@ -88,6 +89,7 @@ class Experiment:
         self.public, self.sizes = self.split.public, self.split.sizes
         calibrate_sample(cfg, self.sizes)
         self.evaluator = evaluator(self.alg, cfg, self.split)
+        self.poisoning = poisoning(cfg, world.dataset, self.device, self.alg.supervised)
         # Placement balances local steps, which is what training time is proportional to.
         self.steps = -(-self.sizes // cfg.train.batch_size)
         self.group = client_group(cfg, comm, self.flat, self.d, self.device, self.autocast)
@@ -139,7 +141,9 @@ class Experiment:
     def task(self, c, ctx, p) -> algorithms.ClientTask:
         """Client c's data (its stream keyed by seed, round, client, phase) on the model."""
         cfg, t = self.config, ctx.round
-        data = self.data.client(self.split.client(c), cfg.seed, t, c, p, skew=self.split.skew(c))
+        indices = self.split.client(c)
+        data = self.data.client(indices, cfg.seed, t, c, p, skew=self.split.skew(c),
+                                poison=self.poisoning and self.poisoning.client(c, indices))
         public = self.data.client(self.public, cfg.seed, t, c, p, split=cfg.data.public_from,
                                   stream="public") if len(self.public) else None
         task = algorithms.ClientTask(client=c, data=data, model=self.flat, device=self.device,

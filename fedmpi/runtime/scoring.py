@@ -70,7 +70,7 @@ class Evaluation:
     def __init__(self, main, stages=()):
         self.main, self.stages = main, list(stages)
         self.round_fields = [f for stage in self.stages for f in stage.round_fields]
-        self.tables = {stage.table: stage.table_fields for stage in self.stages}
+        self.tables = {stage.table: stage.table_fields for stage in self.stages if stage.table}
         self._columns, self._rows = {}, {}
 
     def evaluate(self, exp, timers, round_: int) -> tuple[float, float]:
@@ -93,8 +93,11 @@ class Evaluation:
 
 def evaluator(alg, config=None, split=None) -> Evaluation:
     """The run's evaluator stages: the global one by what the method learns, then the
-    per-client one where ``eval.clients`` asks for it."""
+    per-client one where ``eval.clients`` asks for it, then a data attack's success."""
     from .client_eval import ClientTest   # deferred: it imports the results schema
+    from .poison import KINDS, AttackSuccess   # deferred: only a data attack needs it
     stages = [ClientTest(config, split, alg)] if config is not None and \
         config.eval.clients != "none" else []
+    if config is not None and config.attack.kind in KINDS:
+        stages.append(AttackSuccess(config))
     return Evaluation(GlobalTest() if alg.supervised else KNN(), stages)
