@@ -158,3 +158,13 @@ def test_what_the_dataset_cannot_take_is_refused_at_start(tmp_path, attack, mess
 def test_a_self_supervised_method_has_no_labels_to_poison():
     with pytest.raises(UsageError, match="attack.kind: 'label_flip' poisons labels"):
         Poisoning(_config(kind="label_flip"), _dataset(), torch.device("cpu"), supervised=False)
+
+
+def test_fedmpi_report_shows_the_attack_s_success(tmp_path):
+    from fedmpi.analysis.report import report_table
+    from fedmpi.analysis.runs import load
+    values = merged(TINY, rounds=1, attack={"kind": "backdoor", "fraction": 0.5, "target": 0})
+    with run_file(tmp_path, "door", values) as r:
+        asr = r.rounds()["attack_success"][-1]
+    table = report_table(load(tmp_path))
+    assert "attack %" in table and f"{100 * asr:.2f}" in table

@@ -203,7 +203,7 @@ def test_a_robust_rule_is_the_same_bits_for_1_and_n_ranks(tmp_path, rule, ranks)
 
 
 @pytest.mark.parametrize("over, message", [
-    ({"robust": {"aggregator": "fltrust"}}, "robust.aggregator: 'fltrust' is not allowed"),
+    ({"robust": {"aggregator": "flame"}}, "robust.aggregator: 'flame' is not allowed"),
     ({"robust": {"aggregator": "bulyan", "f": 1}},
      "robust.f: bulyan with f = 1 needs at least 7 clients a round (clients.per_round = 5)"),
     ({"attack": {"kind": "alie", "fraction": 0.2}},

@@ -261,7 +261,8 @@ def summary(run, at=(), targets=(), smooth: float | None = None, windows=(),
     ((A, B) round pairs: the raw accuracy's mean over A..B, never smoothed), rounds_to_T
     per ``targets`` (None if never reached), traffic_mb, upload_mb, mb_per_round, time_s,
     kappa, rho, final_norm with ``norm`` (it reads the final model), and the probes of a
-    self-supervised run (``probe_results``). A private run adds epsilon and audit_epsilon; a run
+    self-supervised run (``probe_results``). A private run adds epsilon and audit_epsilon, a
+    data attack attack_success; a run
     that scored its clients (eval.clients) the last CLIENT_SUMMARY values. A run with the virtual clock adds
     hours_to_T per ``targets`` (None if never reached) and virtual_h.
     """
@@ -280,6 +281,8 @@ def summary(run, at=(), targets=(), smooth: float | None = None, windows=(),
     if "epsilon" in rounds:      # a private run: what its accountant and audit say
         out.update(epsilon=last_value(run, "epsilon"), audit_epsilon=last_value(run, "audit_epsilon"))
     out.update({f: last_value(run, f) for f in CLIENT_SUMMARY if f in rounds})   # eval.clients
+    if "attack_success" in rounds:   # a data attack's success (fedmpi.runtime.poison)
+        out["attack_success"] = last_value(run, "attack_success")
     if has_virtual_clock(run):
         out.update({f"hours_to_{target_name(t)}": hours_to(run, t, smooth) for t in targets})
         out["virtual_h"] = virtual_hours(run)

@@ -25,7 +25,8 @@ from fedmpi.errors import UsageError
 # --columns choices, in display order; acc needs --at, rounds and hours need --target,
 # hours and vtime a run with the virtual clock.
 COLUMNS = ("acc", "window", "final", "best", "rounds", "hours", "traffic", "upload", "per_round",
-           "time", "vtime", "epsilon", "audit", "clients", "norm", "kappa", "rho", "probes")
+           "time", "vtime", "epsilon", "audit", "attack", "clients", "norm", "kappa", "rho",
+           "probes")
 _NUMBER_COLUMNS = {"traffic": ("traffic_mb", "traffic MB"), "upload": ("upload_mb", "up MB"),
                    "per_round": ("mb_per_round", "MB/round"), "time": ("time_s", "time s"),
                    "kappa": ("kappa", "kappa"), "rho": ("rho", "rho"),
@@ -51,7 +52,8 @@ def report_table(runs, group_by=None, at=(), targets=(), smooth=None, columns=No
                      if k.endswith("_mean") and is_probe(k[:-len("_mean")])), key=probe_order)
     scored = [f for f in _CLIENT_HEADERS if rows and f + "_mean" in rows[0]]
     chosen = _choose(columns, at, targets, bool(probes), any(has_virtual_clock(run) for run in runs),
-                     any(_compressed(run) for run in runs), windows, _private(runs), bool(scored))
+                     any(_compressed(run) for run in runs), windows, _private(runs), bool(scored),
+                     bool(rows) and "attack_success_mean" in rows[0])
     specs = _metric_specs(chosen, at, targets, probes, windows, scored)
     if fmt == "csv":
         return render.csv_table(rows, keys + ["status", "n", "seeds"] + [f for spec in specs for f in spec[2]])
@@ -114,17 +116,18 @@ def _compressed(run) -> bool:
 
 def _choose(columns, at, targets, probes: bool = False, clock: bool = False,
             compressed: bool = False, windows=(), private=(False, False),
-            clients: bool = False) -> list[str]:
+            clients: bool = False, attacked: bool = False) -> list[str]:
     """Chosen columns in display order; by default everything the options give numbers for
     (upload and per_round when a run compresses its messages; epsilon when one is private,
-    audit when one was audited; norm only when asked for)."""
+    audit when one was audited; attack when one scored a data attack; norm only when asked
+    for)."""
     if not columns:
         return [c for c in COLUMNS if (c != "acc" or at) and (c != "window" or windows)
                 and c != "norm" and (c not in ("rounds", "hours") or targets)
                 and (c != "probes" or probes) and (c not in ("hours", "vtime") or clock)
                 and (c not in ("upload", "per_round") or compressed)
                 and (c != "epsilon" or private[0]) and (c != "audit" or private[1])
-                and (c != "clients" or clients)]
+                and (c != "clients" or clients) and (c != "attack" or attacked)]
     unknown = [c for c in columns if c not in COLUMNS]
     if unknown:
         raise UsageError(f"--columns: unknown column {unknown[0]!r}; allowed: {', '.join(COLUMNS)}")
@@ -167,6 +170,8 @@ def _metric_specs(chosen, at, targets, probes=(), windows=(), scored=()) -> list
                           ["final_norm_mean", "final_norm_std"]))
         elif name in ("final", "best"):
             specs.append(_acc_spec(f"{name} %", f"{name}_acc"))
+        elif name == "attack":
+            specs.append(_acc_spec("attack %", "attack_success"))
         elif name == "rounds":
             specs += [_rounds_spec(t) for t in targets]
         elif name == "hours":
@@ -243,6 +248,10 @@ def _notes(chosen, smooth, show_status, replicas=()) -> str:
                      "one) after eval.client_finetune_epochs of fine-tuning; new: held-out "
                      "clients (clients.holdout); part. gap: local - new; o.o.s. gap: the "
                      "training clients' accuracy on their training data - local")
+    if "attack" in chosen:
+        notes.append("attack %: a data attack's success at the last evaluation, the share of "
+                     "the test samples it targets that the global model gives the attacker's "
+                     "label (a backdoor: each with the trigger)")
     if "probes" in chosen:
         notes.append("probes of the final encoder (/eval): linear probe, fine-tuning on FT x% "
                      "labels, effective rank of the feature spectrum; test_acc is kNN accuracy")

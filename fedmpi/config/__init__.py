@@ -34,7 +34,8 @@ Sections of a TOML file (every key optional)::
     [privacy]    mechanism (off | central | local | sample), clip, noise_multiplier, target_epsilon, delta,
                  accountant (auto | pld | rdp); docs/privacy.md
     [robust]     aggregator (none | mean | median | trimmed_mean | krum | multikrum |
-                 geomed | normbound | bulyan), f, bound, geomed_iterations, geomed_nu;
+                 geomed | normbound | bulyan | centered_clip | fltrust), f, bound,
+                 cc_iterations, root_per_class, geomed_iterations, geomed_nu;
                  docs/robustness.md
     [attack]     kind (none | sign_flip | scale | gaussian | alie | ipm | min_max | min_sum |
                  label_flip | backdoor), fraction, scale, std, direction, target, trigger,

@@ -276,11 +276,15 @@ class PrivacyConfig:
 class RobustConfig:
     """Byzantine-robust aggregation (fedmpi.runtime.robust): off by default."""
     aggregator: str = "none"           # none | mean | median | trimmed_mean | krum | multikrum |
-                                       # geomed | normbound | bulyan, in place of the mean of
-                                       # the updates (mean: the raw updates' plain mean)
+                                       # geomed | normbound | bulyan | centered_clip |
+                                       # fltrust, in place of the mean of the updates
+                                       # (mean: the raw updates' plain mean)
     f: int = 0                         # Byzantine clients assumed a round: krum's, multikrum's
                                        # and bulyan's f, the trimmed mean's cut at each end
-    bound: float = 1.0                 # normbound: each update scaled to norm at most this
+    bound: float = 1.0                 # normbound: each update scaled to norm at most this;
+                                       # centered_clip: the clipping radius
+    cc_iterations: int = 1             # centered_clip: clipping iterations a round
+    root_per_class: int = 10           # fltrust: the server's root set, samples of each class
     geomed_iterations: int = 10        # geomed: smoothed Weiszfeld iterations
     geomed_nu: float = 1e-6            # geomed: the smoothing (a distance below it counts as it)
 

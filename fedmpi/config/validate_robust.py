@@ -22,6 +22,8 @@ def validate_robust(c: ExperimentConfig) -> None:
                                                f"{', '.join(RULES)}")
     _integer("robust.f", r.f, 0)
     _integer("robust.geomed_iterations", r.geomed_iterations, 1)
+    _integer("robust.cc_iterations", r.cc_iterations, 1)
+    _integer("robust.root_per_class", r.root_per_class, 1)
     _positive("robust.bound", r.bound)
     _positive("robust.geomed_nu", r.geomed_nu)
     if a.kind not in ATTACKS:

@@ -32,6 +32,8 @@ import torch
 from ..flat import host_vector
 from . import gram
 
+CENTRE = "robust_centre"   # centred clipping's centre in the server's state
+
 
 class Contributions:
     """A worker's contributions: a running sum (fast mode) or one flat vector per client
@@ -85,8 +87,9 @@ class WeightedMean:
     def fold(self, c: int, contribution: dict, delta: torch.Tensor) -> None:
         self.folded.add(contribution, c)
 
-    def reduce(self, assignment, ctx, timers) -> dict | None:
-        """The sums on the server (None elsewhere), split by name."""
+    def reduce(self, assignment, ctx, timers, state=None) -> dict | None:
+        """The sums on the server (None elsewhere), split by name. ``state``: the server's
+        (None elsewhere), where an aggregator keeps what it carries between rounds."""
         comm, folded = self.comm, self.folded
         if folded.keep_each:
             parts = comm.gatherv(folded.host().reshape(-1).numpy())
@@ -125,7 +128,15 @@ class Sharded(WeightedMean):
         super().fold(c, contribution, delta)
         self.vectors[c] = delta.detach().float().cpu()   # host memory: K_w d a worker
 
-    def reduce(self, assignment, ctx, timers) -> dict | None:
+    def reference(self, state) -> torch.Tensor | None:
+        """A vector every worker holds, to join the updates as one more row (None: none)."""
+        return None
+
+    def train_reference(self, update: Callable) -> None:
+        """Worker, after its clients: ``update()`` is the method's local update on the
+        server's root set (FLTrust's g_0), should the rule want one."""
+
+    def reduce(self, assignment, ctx, timers, state=None) -> dict | None:
         sums = super().reduce(assignment, ctx, timers)
         t0 = time.perf_counter()
         vectors = [self.vectors[c] for c in sorted(self.vectors)]
@@ -133,7 +144,7 @@ class Sharded(WeightedMean):
         rule = None if self.rule is None else (lambda inner: self.rule(inner, ctx))
         combined, self.weights = gram.weighted_sum(
             self.comm, vectors, assignment, self.d, rule, workspace=self.space,
-            per_block=self.per_block, cohort=self.cohort)
+            per_block=self.per_block, cohort=self.cohort, extra=self.reference(state))
         timers.aggregate += time.perf_counter() - t0
         if sums is not None:
             sums["delta"] = combined
@@ -162,11 +173,33 @@ class Robust(Sharded):
             self.per_block = robust.coordinate_rule(rule, config.robust.f)
         if config.attack.kind in omniscient.KINDS:
             self.cohort = omniscient.CohortAttack(config, malicious(config))
+        self.centred, self.rooted = rule == "centered_clip", rule == "fltrust"
+        self.root = None
 
-    def reduce(self, assignment, ctx, timers) -> dict | None:
-        sums = super().reduce(assignment, ctx, timers)
+    def train_reference(self, update: Callable) -> None:
+        if self.rooted and self.comm.is_worker:
+            self.root = update().delta.detach().float().cpu()
+
+    def reference(self, state) -> torch.Tensor | None:
+        """FLTrust's g_0 (a server rank without blocks: a placeholder), or centred
+        clipping's centre: the last aggregate (zero at first), kept in the server's state
+        (so a checkpoint keeps it) and sent to every worker (d values)."""
+        if self.rooted:
+            return self.root if self.comm.is_worker else torch.zeros(0)
+        if not self.centred:
+            return None
+        centre = host_vector(self.d)
+        if self.comm.is_server and CENTRE in state:
+            centre.copy_(state[CENTRE].reshape(-1))
+        self.comm.bcast(centre)
+        return centre
+
+    def reduce(self, assignment, ctx, timers, state=None) -> dict | None:
+        sums = super().reduce(assignment, ctx, timers, state)
         if sums is not None:
             sums["weight"] = torch.ones(1)
+            if self.centred:
+                state[CENTRE] = sums["delta"].clone()
         return sums
 
     def columns(self) -> dict:

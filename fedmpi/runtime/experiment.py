@@ -36,6 +36,7 @@ import numpy as np
 from .. import algorithms, signals
 from ..algorithms import group_sgd
 from ..errors import warn
+from . import robust
 from .compression import Compression
 from .failure import fail
 from .grouping import client_group
@@ -90,6 +91,8 @@ class Experiment:
         calibrate_sample(cfg, self.sizes)
         self.evaluator = evaluator(self.alg, cfg, self.split)
         self.poisoning = poisoning(cfg, world.dataset, self.device, self.alg.supervised)
+        self.root = robust.root_set(cfg, world.dataset.train_y.numpy()) \
+            if cfg.robust.aggregator == "fltrust" else np.zeros(0, dtype=np.int64)
         # Placement balances local steps, which is what training time is proportional to.
         self.steps = -(-self.sizes // cfg.train.batch_size)
         self.group = client_group(cfg, comm, self.flat, self.d, self.device, self.autocast)
@@ -109,7 +112,8 @@ class Experiment:
                              deterministic=cfg.system.deterministic, group=self.group,
                              codecs=self.codecs, stages=client_stages(cfg, self.codecs, private),
                              server_stages=server_stages(cfg, self.wire, self.flat.params,
-                                                         self.sizes), config=cfg)
+                                                         self.sizes), config=cfg,
+                             make_root=self.root_task if len(self.root) else None)
         measured = measure_step_time(self, partial(round_context, cfg)) \
             if cfg.system_model.profiles != "off" and cfg.system_model.measure_step_time \
             and not self.resume else None   # a resume: the file's
@@ -151,6 +155,15 @@ class Experiment:
                                      private=private_steps(cfg, (t, c, p)))
         seed_global(key_seed(cfg.seed, "client", t, c, p), self.device)  # dropout
         return task
+
+    def root_task(self, ctx, p) -> algorithms.ClientTask:
+        """FLTrust's root update: the method's local update on the server's root set
+        (fedmpi.runtime.robust.root_set), its own keyed stream, no client state."""
+        cfg, t = self.config, ctx.round
+        data = self.data.client(self.root, cfg.seed, t, robust.ROOT_CLIENT, p, stream="root")
+        seed_global(key_seed(cfg.seed, "client", t, robust.ROOT_CLIENT, p), self.device)
+        return algorithms.ClientTask(client=robust.ROOT_CLIENT, data=data, model=self.flat,
+                                     device=self.device, public=None, autocast=self.autocast)
 
     # ---- the loop -----------------------------------------------------------------------
     def run(self) -> Path | None:

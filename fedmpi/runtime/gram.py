@@ -98,7 +98,8 @@ class Workspace:
 def weighted_sum(comm, vectors: list[torch.Tensor], assignment, d: int,
                  coefficients: Callable[[np.ndarray], np.ndarray] | None,
                  block: int = BLOCK, workspace: Workspace | None = None,
-                 per_block: Callable | None = None, cohort=None
+                 per_block: Callable | None = None, cohort=None,
+                 extra: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor | None, np.ndarray | None]:
     """sum_k c_k v_k on the server, with c = coefficients(G) computed there from the Gram
     matrix G (float64, K x K, clients in ascending id) of every participant's vector; or,
@@ -110,6 +111,10 @@ def weighted_sum(comm, vectors: list[torch.Tensor], assignment, d: int,
     ``cohort`` (fedmpi.runtime.omniscient): rewrites some rows of every block from the
     others' statistics before anything reads them (colluding attackers); where it needs
     global statistics it gets them first from one more pass over the blocks.
+
+    ``extra`` (a float32 vector of length d that every worker holds: centred clipping's
+    centre) joins the K vectors as row K of every block, so the Gram matrix is (K + 1) x
+    (K + 1) and the coefficients K + 1; the weights returned are the K participants'.
 
     Every rank calls this. ``vectors`` are this worker's clients' vectors (length d) in
     the order of ``assignment[worker_index]``. ``workspace``: this rank's buffers, kept
@@ -145,13 +150,15 @@ def weighted_sum(comm, vectors: list[torch.Tensor], assignment, d: int,
             if w != me and len(rows_of[w]) else None for w in range(workers)]
     # one float64 buffer, reused for every block: each block of the K vectors is converted
     # where it is used (Gram, then weighted sum), with no allocation per block
-    buffer = space.block(k * min(block, d) if len(mine) else 0)
+    rows_k = k + (extra is not None)   # the blocks' rows: the K vectors, then ``extra``
+    reference = extra.detach().reshape(-1).float().cpu().numpy() if extra is not None else None
+    buffer = space.block(rows_k * min(block, d) if len(mine) else 0)
 
     def rows(b: int, honest: bool = False) -> torch.Tensor:
         """Block b (one of mine) of the K vectors: float64 [K, width], clients in
         ascending id (the cohort attack's rows in place unless ``honest``)."""
         s, e = blocks[b]
-        a = buffer[:k * (e - s)].view(k, e - s)
+        a = buffer[:rows_k * (e - s)].view(rows_k, e - s)
         target = a.numpy()
         for w in range(workers):
             if w == me:
@@ -159,8 +166,10 @@ def weighted_sum(comm, vectors: list[torch.Tensor], assignment, d: int,
                     target[row] = v[s:e]
             elif sent[w] is not None:
                 target[rows_of[w]] = sent[w][:, s - start:e - start]
+        if reference is not None:
+            target[k] = reference[s:e]
         if attack is not None and not honest:
-            attack.apply(a, shared)
+            attack.apply(a[:k], shared)
         return a
 
     # 1b. a cohort attack: its statistics of the honest rows (partials per block, added
@@ -168,7 +177,7 @@ def weighted_sum(comm, vectors: list[torch.Tensor], assignment, d: int,
     attack = cohort.round(order) if cohort is not None else None
     shared = None
     if attack is not None:
-        partials = [attack.statistics(rows(b, honest=True)) for b in mine] \
+        partials = [attack.statistics(rows(b, honest=True)[:k]) for b in mine] \
             if attack.needs_statistics else []
         gathered = comm.gatherv(np.concatenate(partials) if partials else np.zeros(0))
         shared = np.zeros(attack.shared_size)
@@ -181,17 +190,17 @@ def weighted_sum(comm, vectors: list[torch.Tensor], assignment, d: int,
     #    order, which is block order, and added in that order
     coef = None
     if coefficients is not None:
-        partials = np.zeros((len(mine), k, k))
+        partials = np.zeros((len(mine), rows_k, rows_k))
         for i, b in enumerate(mine):
             a = rows(b)
             partials[i] = (a @ a.T).numpy()
         gathered = comm.gatherv(partials.reshape(-1))
-        coef = np.zeros(k)
+        coef = np.zeros(rows_k)
         if comm.is_server:
-            gram = np.zeros((k, k))
-            for partial in np.concatenate(gathered).reshape(-1, k, k):
+            gram = np.zeros((rows_k, rows_k))
+            for partial in np.concatenate(gathered).reshape(-1, rows_k, rows_k):
                 gram += partial
-            coef = np.asarray(coefficients(gram), dtype=np.float64).reshape(k)
+            coef = np.asarray(coefficients(gram), dtype=np.float64).reshape(rows_k)
         # 3. coefficients to the workers
         comm.bcast(coef)
     if per_block is None:
@@ -222,4 +231,4 @@ def weighted_sum(comm, vectors: list[torch.Tensor], assignment, d: int,
             for share in np.concatenate(parts).reshape(-1, k):
                 coef += share
             coef /= max(d, 1)
-    return (total, coef) if comm.is_server else (None, None)
+    return (total, coef[:k]) if comm.is_server else (None, None)

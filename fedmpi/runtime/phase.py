@@ -75,6 +75,7 @@ class Phases:
     stages: list[ClientStage] | None = None
     server_stages: list = field(default_factory=list)   # after the reduce (fedmpi.runtime.dp)
     config: object = None   # the run's config: its [robust] rule picks the aggregator
+    make_root: Callable | None = None   # (ctx, p) -> the server's root set's ClientTask (FLTrust)
     aggregators: list = field(init=False)   # one a phase, kept across rounds
 
     def __post_init__(self):
@@ -113,7 +114,7 @@ class Phases:
                                              after_client, of)
         timers.eval += aside
         timers.compute += time.perf_counter() - t0 - aside
-        sums = self.aggregators[p].reduce(assignment, ctx, timers)                       # 3
+        sums = self.aggregators[p].reduce(assignment, ctx, timers, state)                # 3
         gathered = self.collect_rows(rows, phase)
         self.gather_states(new_states)
         if not comm.is_server:
@@ -261,6 +262,9 @@ class Phases:
                 if after_client is not None:   # sees the client's local model before it is reloaded
                     aside += after_client(c, upload)
                 fold(c, upload, time.perf_counter() - t0, scale)
+        if self.make_root is not None:   # the rule's own update on the server's root set
+            aggregator.train_reference(
+                lambda: self.alg.local_update(self.make_root(ctx, p), payload, None, ctx))
         table = np.asarray(rows, dtype=np.float64).reshape(-1, self.row_width(ctx.phase))
         return table, new_states, aside
 

@@ -15,6 +15,16 @@ and the aggregate sum_k c_k Delta_k:
   Delta_k||), the distances from G as z stays in the updates' span;
 - ``normbound`` (Sun et al. 2019): the mean of the updates each scaled to norm at most
   ``bound``;
+- ``centered_clip`` (Karimireddy, He and Jaggi 2021): from the centre v (the previous
+  round's aggregate, zero at first), ``cc_iterations`` times v <- v + (1/n) sum_k
+  clip_bound(Delta_k - v); v joins the updates as one more row of the Gram matrix, and
+  every iterate stays in their span, so its distances come from G;
+- ``fltrust`` (Cao et al. 2021): the server's own update g_0, the method's local update on
+  a root set of ``root_per_class`` training samples per class (keyed, in
+  /partition/robust_root), trained on every worker from the round's payload (the same
+  bits on each in deterministic mode) and joined to the updates as one more row; each
+  update's trust max(0, cos(Delta_k, g_0)), the update rescaled to ||g_0||, and the
+  trust-weighted mean (zero where every trust is 0);
 - ``bulyan`` (El Mhamdi et al. 2018): n - 2f updates chosen by Krum one after another (each
   from those left), then, coordinate by coordinate, the mean of the n - 4f chosen values
   closest to their median: a Gram selection, then a coordinate rule on the chosen rows.
@@ -44,8 +54,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .rng import numpy_rng
+
 RULES = ("none", "mean", "median", "trimmed_mean", "krum", "multikrum", "geomed", "normbound",
-         "bulyan")
+         "bulyan", "centered_clip", "fltrust")
+ROOT_CLIENT = 1 << 62   # the key of FLTrust's root update: an id no client has
 COORDINATE = ("mean", "median", "trimmed_mean")   # no Gram matrix: a rule on the shards
 
 
@@ -100,6 +113,51 @@ def normbound(gram: np.ndarray, bound: float) -> np.ndarray:
     return scale / len(gram)
 
 
+def centered_clip(gram: np.ndarray, tau: float, iterations: int) -> np.ndarray:
+    """Coefficients over the n updates and the centre (row n of ``gram``) of centred
+    clipping's last iterate: v_l = sum_j a_j r_j, ||Delta_k - v_l||^2 = G_kk - 2 (G a)_k +
+    a^T G a."""
+    n = len(gram) - 1
+    a = np.zeros(n + 1)
+    a[n] = 1.0
+    for _ in range(iterations):
+        ga = gram @ a
+        dist = np.sqrt(np.maximum(np.diag(gram)[:n] - 2 * ga[:n] + a @ ga, 0.0))
+        s = np.minimum(1.0, tau / np.maximum(dist, 1e-30))
+        a = a * (1 - s.sum() / n)
+        a[:n] += s / n
+    return a
+
+
+def fltrust(gram: np.ndarray) -> np.ndarray:
+    """Coefficients over the n updates and g_0 (row n of ``gram``, coefficient 0)."""
+    n = len(gram) - 1
+    norms = np.sqrt(np.maximum(np.diag(gram), 0.0))
+    c = np.zeros(n + 1)
+    if norms[n] == 0:
+        return c
+    live = norms[:n] > 0
+    trust = np.zeros(n)
+    trust[live] = np.maximum(gram[:n, n][live] / (norms[:n][live] * norms[n]), 0.0)
+    if trust.sum() > 0:
+        c[:n][live] = trust[live] * norms[n] / norms[:n][live] / trust.sum()
+    return c
+
+
+def root_set(config, labels: np.ndarray) -> np.ndarray:
+    """FLTrust's root set: ``robust.root_per_class`` training samples of each class (all
+    of a class that has fewer), drawn from the stream keyed by (seed, "fltrust-root"),
+    ascending."""
+    rng = numpy_rng(config.seed, "fltrust-root")
+    labels = np.asarray(labels)
+    chosen = []
+    for y in np.unique(labels):
+        members = np.flatnonzero(labels == y)
+        chosen.append(rng.choice(members, min(len(members), config.robust.root_per_class),
+                                 replace=False))
+    return np.sort(np.concatenate(chosen)).astype(np.int64) if chosen else np.zeros(0, np.int64)
+
+
 def bulyan_selection(gram: np.ndarray, f: int) -> np.ndarray:
     """Bulyan's first stage: n - 2f updates (at least 1), each the Krum choice among those
     not yet chosen; 1 for a chosen update, 0 otherwise."""
@@ -119,7 +177,9 @@ def coefficients(rule: str, config):
     return {"krum": lambda g: krum(g, r.f), "multikrum": lambda g: multikrum(g, r.f),
             "geomed": lambda g: geomed(g, r.geomed_iterations, r.geomed_nu),
             "normbound": lambda g: normbound(g, r.bound),
-            "bulyan": lambda g: bulyan_selection(g, r.f)}[rule]
+            "bulyan": lambda g: bulyan_selection(g, r.f),
+            "centered_clip": lambda g: centered_clip(g, r.bound, r.cc_iterations),
+            "fltrust": fltrust}[rule]
 
 
 def coordinate_rule(rule: str, f: int):

@@ -48,6 +48,8 @@ def create_file(exp, dataset, ranks) -> bool:
     partition = exp.split.file_datasets(dataset.train_y.numpy(), dataset.num_classes)
     if cfg.attack.kind != "none":   # [attack]: who attacks (fedmpi.runtime.attacks)
         partition["malicious"] = malicious(cfg)
+    if len(exp.root):   # [robust] fltrust: the server's root set (fedmpi.runtime.robust)
+        partition["robust_root"] = exp.root
     stage = exp.participation   # its columns, its provenance, its datasets under /partition
     round_fields = ROUND_FIELDS + list(exp.alg.diagnostic_fields) + stage.round_fields
     clients = client_fields(exp.alg, exp.wire) + stage.client_fields
