@@ -141,3 +141,18 @@ def test_a_cohort_attack_is_the_same_bits_for_1_and_n_ranks(tmp_path, kind, rule
     with run_file(tmp_path, "one", values) as a, RunFile(tmp_path / "n.h5") as b:
         assert np.array_equal(a.model(), b.model())
         assert np.array_equal(a.clients()["robust_weight"], b.clients()["robust_weight"])
+
+
+@pytest.mark.slow
+@needs_mpi
+@pytest.mark.parametrize("ranks, rule", [(2, "trimmed_mean"), (3, "bulyan"), (5, "krum"),
+                                         (5, "median")])
+def test_the_sharded_rule_is_the_gather_on_rank_0_reference_bit_for_bit(ranks, rule):
+    """benchmarks/robust.py --check: the rule as a run computes it (transpose, blocks) and
+    the same rule over every update gathered on rank 0, the same bits."""
+    import json
+    from pathlib import Path
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "robust.py"
+    proc = mpirun(ranks, [sys.executable, str(script), "--mode", "reduce", "--rule", rule,
+                          "--params", "150000", "--clients", "11", "--repeat", "1", "--check"])
+    assert json.loads(proc.stdout)["sharded_equals_gathered"] is True
