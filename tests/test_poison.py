@@ -17,7 +17,8 @@ from fedmpi.errors import UsageError
 from fedmpi.runtime.clientdata import DeviceData, TensorClientData
 from fedmpi.runtime.poison import AttackSuccess, Poisoning, label_map
 
-from helpers import TINY, merged, run_file
+from conftest import needs_mpi
+from helpers import TINY, assert_same_on_3_ranks, merged, run_file
 
 C, H = 4, 8
 
@@ -168,3 +169,11 @@ def test_fedmpi_report_shows_the_attack_s_success(tmp_path):
         asr = r.rounds()["attack_success"][-1]
     table = report_table(load(tmp_path))
     assert "attack %" in table and f"{100 * asr:.2f}" in table
+
+
+@pytest.mark.slow
+@needs_mpi
+def test_a_backdoor_run_is_the_same_bits_under_mpirun(tmp_path):
+    values = merged(TINY, system={**TINY["system"], "deterministic": True},
+                    attack={"kind": "backdoor", "fraction": 0.5, "target": 2})
+    assert_same_on_3_ranks(tmp_path, values, columns=("test_loss", "attack_success"))
