@@ -184,6 +184,9 @@ def test_dp_sgd_runs_are_bitwise_the_same_for_1_and_3_ranks(tmp_path):
      "system.client_group: privacy.mechanism \"sample\" (DP-SGD) takes each client's "
      "per-sample gradients on its own"),
     ({"privacy": {**SAMPLE, "audit_canaries": 10}}, "privacy.audit_canaries: needs"),
+    ({"model": {**TINY["model"], "norm": "batch"}},
+     "model.norm: privacy.mechanism \"sample\" clips each sample's gradient; BatchNorm mixes "
+     "the samples of a batch"),
 ])
 def test_what_dp_sgd_cannot_do_is_refused(over, message):
     with pytest.raises(UsageError, match=re.escape(message)):

@@ -81,10 +81,11 @@ def _refuse_private_layers(c: ExperimentConfig) -> None:
     method = REGISTRY.get(c.algorithm.name)
     if method is None or not keeps_private_layers(method):
         return
-    if c.privacy.mechanism != "off":
-        raise field_error("privacy.mechanism", f"algorithm {c.algorithm.name!r} keeps private "
-                                               f"layers on each client; [privacy] is not "
-                                               f"supported with private layers yet")
+    if c.privacy.audit_canaries:
+        raise field_error("privacy.audit_canaries", f"algorithm {c.algorithm.name!r} keeps "
+                                                    f"private layers on each client; the "
+                                                    f"audit's canaries are not placed among the "
+                                                    f"shared coordinates yet; set 0")
     if c.system_model.profiles != "off" and c.system_model.policy in ASYNC_MODES:
         raise field_error("system_model.policy", f"algorithm {c.algorithm.name!r} keeps private "
                                                  f"layers on each client; use a synchronous "

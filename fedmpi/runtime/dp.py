@@ -321,7 +321,8 @@ def server_stages(config, d: int, x0: torch.Tensor, sizes=()) -> list[ServerStag
 
 # methods whose local update is local_sgd's with the default loss and gradient (their
 # corrections and server sides use only what DP-SGD's steps produce: post-processing)
-SAMPLE_ALGORITHMS = ("fedadam", "fedavg", "fedavgm", "feddyn", "fednova", "fedprox", "scaffold")
+SAMPLE_ALGORITHMS = ("fedadam", "fedavg", "fedavgm", "feddyn", "fednova", "fedper", "fedprox",
+                     "lg_fedavg", "scaffold")
 
 
 def refuse(c) -> None:
@@ -341,6 +342,10 @@ def refuse(c) -> None:
         if problem:
             raise field_error("model.name", f"privacy.mechanism \"sample\" takes per-sample "
                                             f"gradients in the client-group form: {problem}")
+        if c.model.options.get("norm") == "batch":
+            raise field_error("model.norm", "privacy.mechanism \"sample\" clips each sample's "
+                                            "gradient; BatchNorm mixes the samples of a batch "
+                                            "(no per-sample gradient); use \"group\" or \"none\"")
         return   # the server's side is post-processing of private updates
     if not fedavg_server_side(algorithms.REGISTRY[name]):
         able = sorted(n for n, kind in algorithms.REGISTRY.items() if fedavg_server_side(kind))
