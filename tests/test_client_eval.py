@@ -210,9 +210,6 @@ def test_a_resumed_run_has_the_same_client_rows(tmp_path):
      "eval.client_finetune_epochs: must be an integer >= 0"),
     ({"eval": {"clients": "none", "client_finetune_epochs": 2}},
      "eval.client_finetune_epochs: fine-tunes the evaluated clients; needs eval.clients"),
-    ({"partition": {**SPLIT["partition"], "noise": 0.1}},
-     "eval.clients: a client's local test split is scored without its feature skew; unset "
-     "partition.noise"),
     ({"clients": {**TINY["clients"], "holdout": 1.0}}, "clients.holdout: must be a fraction in [0, 1)"),
     ({"clients": {**TINY["clients"], "holdout": 0.7}},
      "clients.holdout: holds out 8 of clients.num = 12, fewer than clients.per_round = 5 left"),

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from ..algorithms.local_sgd import sgd_step
 from ..results.schema import CLIENT_EVAL_FIELDS, PERSONAL_EVAL_FIELDS
-from .rng import numpy_rng
+from .rng import numpy_rng, torch_generator
 
 STATS = ("mean", "weighted", "std", "p10", "p50", "p90", "worst10")
 GAP_FIELDS = ("client_train_acc_mean", "participation_gap", "out_of_sample_gap")
@@ -76,6 +76,10 @@ class ClientTest:
         # global one, then fine-tuned for eval.client_finetune_epochs
         self.personal = bool(self.finetune) or alg.personalised
         self.holdout = bool(config.clients.holdout)
+        # feature skew: each client's sets scored as it sees them (``SkewedSets``)
+        p = config.partition
+        self.skewed = SkewedSets(split, config.seed) \
+            if any(getattr(p, n) for n in ("noise", "brightness", "saturation")) else None
         self.slots = None
         if config.eval.clients != "all":   # the same N slots every evaluation
             rng = numpy_rng(config.seed, "eval-clients")
@@ -102,10 +106,13 @@ class ClientTest:
         t0 = time.perf_counter()
         split, ids = self.split, self.clients(round_)
         held = split.held_out(ids)
-        test = _scores(exp, [split.test_client(c) for c in ids])
+        skewed = self.skewed
+        test = _scores(exp, [split.test_client(c) for c in ids],
+                       skewed and (skewed, "test", ids))
         # clients.holdout: the training clients' accuracy on their own training data, for
         # the out-of-sample gap (Yuan et al. 2022)
-        train = _scores(exp, [split.client(c) for c in ids[~held]]) if self.holdout else None
+        train = _scores(exp, [split.client(c) for c in ids[~held]],
+                        skewed and (skewed, "train", ids[~held])) if self.holdout else None
         tuned = self._personal(exp, ids, round_) if self.personal else None
         timers.eval += time.perf_counter() - t0
         if not exp.comm.is_server:
@@ -157,7 +164,9 @@ class ClientTest:
                                         stream="finetune")
                     _sgd(flat, train.batches(self.finetune, cfg.train.batch_size),
                          cfg.train.lr, exp.autocast)
-                scored = _score_samples(exp, self.split.test_client(c), 0, 1)
+                tests = self.split.test_client(c)
+                scored = _score_samples(exp, tests, 0, 1, self.skewed and self.skewed.union(
+                    exp, "test", [c], [tests]))
                 rows.append((k, scored[:, 1].sum(), scored[:, 2].sum()))
             flat.load(start)
         parts = comm.gatherv(np.asarray(rows, dtype=np.float64).reshape(-1))
@@ -176,15 +185,20 @@ class ClientTest:
         return {int(c): {n: v for n, v in state.items() if n in own} for c, state in states.items()}
 
 
-def _scores(exp, sets: list[np.ndarray]):
+def _scores(exp, sets: list[np.ndarray], skewed=None):
     """Server: each set's (correct, loss sum) under the loaded model, from one pass over
     their union in fixed chunks sharded over the workers (``_score_samples``), summed per
-    set in sample order; None elsewhere."""
+    set in sample order; None elsewhere. ``skewed``: (the run's ``SkewedSets``, the
+    purpose, each set's client) where clients have feature skew."""
     comm = exp.comm
     sizes = np.asarray([len(s) for s in sets], dtype=np.int64)
     union = np.concatenate(sets) if sets else np.zeros(0, dtype=np.int64)
-    rows = _score_samples(exp, union, comm.worker_index, comm.num_workers) if comm.is_worker \
-        else np.zeros((0, 3))
+    inputs = None
+    if skewed is not None:
+        store, purpose, clients = skewed
+        inputs = store.union(exp, purpose, clients, sets)
+    rows = _score_samples(exp, union, comm.worker_index, comm.num_workers, inputs) \
+        if comm.is_worker else np.zeros((0, 3))
     parts = comm.gatherv(rows.reshape(-1))
     if not comm.is_server:
         return None
@@ -192,6 +206,47 @@ def _scores(exp, sets: list[np.ndarray]):
     samples = np.concatenate(parts).reshape(-1, 3)
     scored[samples[:, 0].astype(np.int64)] = samples[:, 1:]
     return _per_client(scored[:, 0], sizes), _per_client(scored[:, 1], sizes)
+
+
+class SkewedSets:
+    """Clients' evaluation sets as their feature skew leaves them (fedmpi.data.augment.
+    ClientSkew, ``partition.noise``/``brightness``/``saturation``): a set is prepared once
+    per worker, its noise from the stream keyed by (seed, "eval-skew-" + purpose,
+    client), so the same images are scored at every evaluation, on any worker; kept
+    (float32, the prepared size of the sets this worker scores)."""
+
+    def __init__(self, split, seed: int):
+        self.split, self.seed = split, seed
+        self.kept: dict[tuple[str, int], torch.Tensor] = {}
+
+    def of(self, exp, purpose: str, c: int, samples: np.ndarray) -> torch.Tensor:
+        key = (purpose, int(c))
+        if key not in self.kept:
+            data = exp.data
+            x = data.train_x[torch.as_tensor(samples, dtype=torch.int64,
+                                             device=data.train_x.device)]
+            skew = self.split.skew(int(c))
+            draw = None if skew is None else torch_generator(
+                self.seed, "eval-skew-" + purpose, int(c),
+                device=data.device if data.device.type == "cuda" else "cpu")
+            self.kept[key] = data.prepare(x, draw, skew, augment=False)
+        return self.kept[key]
+
+    def union(self, exp, purpose: str, clients, sets):
+        """``inputs(lo, hi)`` over the union of ``sets`` (client ``clients[i]``'s)."""
+        starts = np.concatenate([[0], np.cumsum([len(s) for s in sets])]).astype(np.int64)
+
+        def inputs(lo: int, hi: int) -> torch.Tensor:
+            first = int(np.searchsorted(starts, lo, side="right")) - 1
+            parts = []
+            for i in range(max(first, 0), len(sets)):
+                if starts[i] >= hi:
+                    break
+                a, b = max(lo, starts[i]) - starts[i], min(hi, starts[i + 1]) - starts[i]
+                if b > a:
+                    parts.append(self.of(exp, purpose, clients[i], sets[i])[a:b])
+            return torch.cat(parts)
+        return inputs
 
 
 def _per_client(values: np.ndarray, sizes: np.ndarray) -> np.ndarray:
@@ -202,9 +257,12 @@ def _per_client(values: np.ndarray, sizes: np.ndarray) -> np.ndarray:
 
 
 @torch.no_grad()
-def _score_samples(exp, samples: np.ndarray, worker: int, workers: int) -> np.ndarray:
+def _score_samples(exp, samples: np.ndarray, worker: int, workers: int,
+                   inputs=None) -> np.ndarray:
     """Rows (position, correct, loss) of this worker's chunks of ``samples`` (training set
-    ids), each chunk ``exp.eval_batch`` samples, chunk j on worker j mod ``workers``."""
+    ids), each chunk ``exp.eval_batch`` samples, chunk j on worker j mod ``workers``.
+    ``inputs(lo, hi)``: the model's input for positions lo..hi-1 (None: the samples as
+    the test set is read, unskewed)."""
     module, data, size = exp.flat.module, exp.data, exp.eval_batch
     module.eval()
     chunks = range(worker, -(-len(samples) // size), workers)
@@ -212,7 +270,9 @@ def _score_samples(exp, samples: np.ndarray, worker: int, workers: int) -> np.nd
     scores = []
     for j in chunks:
         part = index[j * size:(j + 1) * size]
-        logits = module(data.prepare(data.train_x[part], None)).float()
+        x = data.prepare(data.train_x[part], None) if inputs is None else \
+            inputs(j * size, j * size + len(part))
+        logits = module(x).float()
         y = data.train_y[part]
         scores.append(torch.stack([(logits.argmax(1) == y).double(),
                                    F.cross_entropy(logits, y, reduction="none").double()], 1))
