@@ -82,7 +82,3 @@ def _refuse_private_layers(c: ExperimentConfig) -> None:
                                                     f"private layers on each client; the "
                                                     f"audit's canaries are not placed among the "
                                                     f"shared coordinates yet; set 0")
-    if c.system_model.profiles != "off" and c.system_model.policy in ASYNC_MODES:
-        raise field_error("system_model.policy", f"algorithm {c.algorithm.name!r} keeps private "
-                                                 f"layers on each client; use a synchronous "
-                                                 f"policy")

@@ -29,7 +29,7 @@ import torch
 
 from .. import algorithms
 from ..algorithms import local_sgd
-from ..algorithms.base import fedavg_server_side, keeps_private_layers
+from ..algorithms.base import fedavg_server_side
 from ..config.coerce import field_error
 from ..errors import UsageError
 from . import asyncfl, vclock_inputs
@@ -186,10 +186,9 @@ class Async(Clocked):
     @classmethod
     def serves(cls, name: str) -> bool:
         """Whether algorithm ``name``'s server side is FedAvg's, which the asynchronous step
-        replaces (the method's local update stays its own), and which sends its whole
-        model (private layers: not yet)."""
-        kind = algorithms.REGISTRY[name]
-        return fedavg_server_side(kind) and not keeps_private_layers(kind)
+        replaces (the method's local update stays its own; private layers stay on the
+        clients, and each version's payload is compacted to the shared coordinates)."""
+        return fedavg_server_side(algorithms.REGISTRY[name])
 
     @classmethod
     def refuse(cls, c) -> None:
