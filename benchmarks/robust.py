@@ -55,19 +55,23 @@ def _gathered(comm, mine, assignment, d: int, coefficients, per_block):
     comm.gatherv(local.reshape(-1), out=everything)
     if not comm.is_server:
         return None
-    a = everything.reshape(k, d)[np.argsort(np.concatenate(assignment), kind="stable")]
+    a = everything.reshape(k, d)
+    order = np.argsort(np.concatenate(assignment), kind="stable")   # rows by client id
+
+    def block(s, e):   # one block of the K updates in client order (a copy of it alone)
+        return torch.from_numpy(a[order, s:e]).double()
     coef = None
     if coefficients is not None:
         gram = np.zeros((k, k))
         for s, e in block_ranges(d):
-            block = torch.from_numpy(a[:, s:e]).double()
-            gram += (block @ block.T).numpy()
+            rows = block(s, e)
+            gram += (rows @ rows.T).numpy()
         coef = coefficients(gram)
     out = np.empty(d, np.float32)
     for s, e in block_ranges(d):
-        block = torch.from_numpy(a[:, s:e]).double()
-        out[s:e] = (per_block(block, coef)[0] if per_block is not None
-                    else torch.from_numpy(coef) @ block).float().numpy()
+        rows = block(s, e)
+        out[s:e] = (per_block(rows, coef)[0] if per_block is not None
+                    else torch.from_numpy(coef) @ rows).float().numpy()
     return out
 
 

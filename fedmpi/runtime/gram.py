@@ -203,15 +203,13 @@ def weighted_sum(comm, vectors: list[torch.Tensor], assignment, d: int,
             coef = np.asarray(coefficients(gram), dtype=np.float64).reshape(rows_k)
         # 3. coefficients to the workers
         comm.bcast(coef)
-    if per_block is None:
-        weights = torch.from_numpy(coef)
-        rule = lambda a, c: (weights @ a, None)   # one float64 product per block: a fixed shape
-    else:
-        rule = per_block
+    def combine(a, c):   # one float64 product per block: a fixed shape
+        return torch.from_numpy(c) @ a, None
+    rule = per_block if per_block is not None else combine
 
     # 4. each block's weighted sum (or rule), gathered to the server: the spans in worker
-    #    order are the d coordinates in order; a coordinate rule's row weights, summed
-    #    over the worker's blocks, to the server too (added in worker order)
+    #    order are the d coordinates in order; a coordinate rule's row weights, one
+    #    row of K a block, to the server too (added there in block order)
     sums = space.array("sums", end - start)
     shares = np.zeros((len(mine), k))
     for i, b in enumerate(mine):
