@@ -306,7 +306,7 @@ def test_algorithms_command_lists_them_with_parameters():
     assert "compressible up: delta; down: x; asynchronous (fedbuff, fedasync): yes" in blocks["fedavg"]
     assert "messages per client: down d_shared, up d_shared (the layers not kept on the " \
         "clients)" in blocks["fedper"]
-    assert "compressible up: delta; down: x; asynchronous (fedbuff, fedasync): no" in blocks["fedper"]
+    assert "compressible up: delta; down: x; asynchronous (fedbuff, fedasync): yes" in blocks["fedper"]
     assert "compressible up: delta, delta_c; down: x, c; asynchronous (fedbuff, fedasync): no" \
         in blocks["scaffold"]
     assert "compressible up: none; down: none; asynchronous (fedbuff, fedasync): no" in blocks["fnrfl"]
