@@ -27,7 +27,7 @@ import time
 import numpy as np
 import torch
 
-from ..errors import UsageError
+from ..config.coerce import field_error
 from ..evaluation import chunks_of
 from .attacks import malicious
 from .rng import torch_generator
@@ -62,19 +62,20 @@ class Poisoning:
         self.ids = set(malicious(config).tolist())
         classes = dataset.num_classes
         if not supervised:
-            raise UsageError(f"attack.kind: {a.kind!r} poisons labels; algorithm "
-                             f"{config.algorithm.name!r} trains without them")
+            raise field_error("attack.kind", f"{a.kind!r} poisons labels; algorithm "
+                                             f"{config.algorithm.name!r} trains without them")
         if a.target >= classes:
-            raise UsageError(f"attack.target: must be -1 or a class in [0, {classes}) of "
-                             f"{config.data.dataset!r}, got {a.target}")
+            raise field_error("attack.target", f"must be -1 or a class in [0, {classes}) of "
+                                               f"{config.data.dataset!r}, got {a.target}")
         if self.kind == "backdoor":
             shape = tuple(dataset.train_x.shape[2:])
             if getattr(dataset, "modality", "image") != "image":
-                raise UsageError(f"attack.kind: 'backdoor' stamps a pixel trigger; dataset "
-                                 f"{config.data.dataset!r} has no images")
+                raise field_error("attack.kind", f"'backdoor' stamps a pixel trigger; dataset "
+                                                 f"{config.data.dataset!r} has no images")
             if self.size > min(shape):
-                raise UsageError(f"attack.trigger: {self.size} pixels does not fit the "
-                                 f"{shape[0]}x{shape[1]} images of {config.data.dataset!r}")
+                raise field_error("attack.trigger", f"{self.size} pixels does not fit the "
+                                                    f"{shape[0]}x{shape[1]} images of "
+                                                    f"{config.data.dataset!r}")
         self.map = label_map(classes, a.target, device)
         self.device = device
 
