@@ -75,22 +75,39 @@ def run_file(tmp_path: Path, name: str, values: dict):
 def assert_same_on_3_ranks(tmp_path: Path, values: dict, columns=(), client_eval=False) -> None:
     """``values`` under ``mpirun -n 3`` and in this process: the final models, these
     /rounds columns and (``client_eval``) every /client_eval column bit for bit the same."""
+    assert_same_on_ranks(tmp_path, values, 3, columns, client_eval)
+
+
+def assert_same_on_ranks(tmp_path: Path, values: dict, ranks: int, columns=(),
+                         client_eval=False, client_columns=()) -> None:
+    """``values`` under ``mpirun -n ranks`` and in this process: the final models, these
+    /rounds columns, these /clients columns and (``client_eval``) every /client_eval
+    column bit for bit the same."""
     import numpy as np
 
     from conftest import mpirun
     from fedmpi.results import RunFile
 
-    config = write_config(tmp_path / "n3.toml", values)
-    mpirun(3, [sys.executable, "-m", "fedmpi", "run", "-q", str(config), "-o",
-               str(tmp_path / "n3.h5")])
-    with run_file(tmp_path, "one", values) as a, RunFile(tmp_path / "n3.h5") as b:
+    config = write_config(tmp_path / f"n{ranks}.toml", values)
+    mpirun(ranks, [sys.executable, "-m", "fedmpi", "run", "-q", str(config), "-o",
+                   str(tmp_path / f"n{ranks}.h5")])
+    with run_file(tmp_path, "one", values) as a, RunFile(tmp_path / f"n{ranks}.h5") as b:
         assert np.array_equal(a.model(), b.model())
         for name in columns:
             assert np.array_equal(a.rounds()[name], b.rounds()[name], equal_nan=True), name
+        for name in client_columns:
+            assert np.array_equal(a.clients()[name], b.clients()[name], equal_nan=True), name
         if client_eval:
             rows = b.client_eval()
             for name, column in a.client_eval().items():
                 assert np.array_equal(column, rows[name], equal_nan=True), name
+
+
+# 12 clients of exactly 32 samples (a power of two: n_i Delta_i and Delta_i sum to the same
+# bits up to that factor), 4 a round drawn uniformly: the privacy tests' reductions
+EQUAL_SIZES = merged({**TINY, "partition": {"kind": "iid"}}, rounds=2,
+                     data={**TINY["data"], "num_train": 384}, clients={"num": 12, "per_round": 4},
+                     system={**TINY["system"], "deterministic": True})
 
 
 def run_and_resume(values: dict, tmp_path: Path):

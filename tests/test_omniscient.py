@@ -12,12 +12,11 @@ import torch
 
 from fedmpi import config as cfg
 from fedmpi.comm import LocalComm
-from fedmpi.results import RunFile
 from fedmpi.runtime import omniscient, robust
 from fedmpi.runtime.gram import weighted_sum
 
 from conftest import mpirun, needs_mpi
-from helpers import TINY, merged, run_file, write_config
+from helpers import TINY, assert_same_on_ranks, merged, run_file
 
 N, D = 9, 50
 BAD = np.array([2, 5])
@@ -135,12 +134,7 @@ def test_a_cohort_attack_is_the_same_bits_for_1_and_n_ranks(tmp_path, kind, rule
                     clients={**TINY["clients"], "per_round": 8},
                     robust={"aggregator": rule, "f": 1},
                     attack={"kind": kind, "fraction": 0.25})
-    config = write_config(tmp_path / "n.toml", values)
-    mpirun(ranks, [sys.executable, "-m", "fedmpi", "run", "-q", str(config), "-o",
-                   str(tmp_path / "n.h5")], env={"OMPI_MCA_rmaps_base_oversubscribe": "1"})
-    with run_file(tmp_path, "one", values) as a, RunFile(tmp_path / "n.h5") as b:
-        assert np.array_equal(a.model(), b.model())
-        assert np.array_equal(a.clients()["robust_weight"], b.clients()["robust_weight"])
+    assert_same_on_ranks(tmp_path, values, ranks, client_columns=("robust_weight",))
 
 
 @pytest.mark.slow

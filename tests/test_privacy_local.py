@@ -19,11 +19,9 @@ from fedmpi.errors import UsageError
 from fedmpi.runtime.dp import LocalNoise
 
 from conftest import fedmpi, needs_mpi
-from helpers import TINY, assert_same_on_3_ranks, merged, run_file
+from helpers import EQUAL_SIZES, TINY, assert_same_on_3_ranks, merged, run_file
 
-BASE = merged({**TINY, "partition": {"kind": "iid"}}, rounds=2,
-              data={**TINY["data"], "num_train": 384}, clients={"num": 12, "per_round": 4},
-              system={**TINY["system"], "deterministic": True})
+BASE = EQUAL_SIZES
 LOCAL = {"mechanism": "local", "clip": 1.0, "noise_multiplier": 1.0}
 
 

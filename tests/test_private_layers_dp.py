@@ -8,13 +8,9 @@ import pytest
 
 
 from conftest import needs_mpi
-from helpers import TINY, assert_same_on_3_ranks, merged, run_file
+from helpers import EQUAL_SIZES, TINY, assert_same_on_3_ranks, merged, run_file
 
-# 12 clients of exactly 32 samples (n_i Delta_i and Delta_i then sum to the same bits up
-# to that power of two), 4 a round drawn uniformly (the count is S every round)
-EQUAL = merged({**TINY, "partition": {"kind": "iid"}}, data={**TINY["data"], "num_train": 384},
-               clients={"num": 12, "per_round": 4}, rounds=2, system={"deterministic": True},
-               algorithm={"name": "fedper"})
+EQUAL = merged(EQUAL_SIZES, algorithm={"name": "fedper"})
 CENTRAL = {"mechanism": "central", "clip": 1.0, "noise_multiplier": 1.0}
 
 

@@ -12,12 +12,11 @@ import torch
 from fedmpi import config as cfg
 from fedmpi.comm import LocalComm
 from fedmpi.errors import UsageError
-from fedmpi.results import RunFile
 from fedmpi.runtime import robust
 from fedmpi.runtime.gram import weighted_sum
 
-from conftest import mpirun, needs_mpi
-from helpers import TINY, merged, run_file, write_config
+from conftest import needs_mpi
+from helpers import TINY, assert_same_on_ranks, merged, run_file
 
 DETERMINISTIC = {**TINY["system"], "deterministic": True}
 
@@ -193,13 +192,7 @@ def test_median_stops_a_scaled_update_that_moves_fedavg(tmp_path):
 def test_a_robust_rule_is_the_same_bits_for_1_and_n_ranks(tmp_path, rule, ranks):
     values = merged(TINY, system=DETERMINISTIC, robust={"aggregator": rule, "f": 1},
                     attack={"kind": "sign_flip", "fraction": 0.2, "scale": 2.0})
-    config = write_config(tmp_path / "n.toml", values)
-    import sys
-    mpirun(ranks, [sys.executable, "-m", "fedmpi", "run", "-q", str(config), "-o",
-                   str(tmp_path / "n.h5")], env={"OMPI_MCA_rmaps_base_oversubscribe": "1"})
-    with run_file(tmp_path, "one", values) as a, RunFile(tmp_path / "n.h5") as b:
-        assert np.array_equal(a.model(), b.model())
-        assert np.array_equal(a.rounds()["test_loss"], b.rounds()["test_loss"])
+    assert_same_on_ranks(tmp_path, values, ranks, columns=("test_loss",))
 
 
 @pytest.mark.parametrize("over, message", [

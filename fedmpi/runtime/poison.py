@@ -93,7 +93,8 @@ class Poisoning:
 
 class ClientPoison:
     """One malicious identity's poison: ``apply(batch, x, y)`` on a batch's dataset ids,
-    images (a gathered copy) and labels."""
+    images and labels. ``x`` is the batch's own gathered copy (an index into the shared
+    tensors makes one), so the trigger is stamped into it in place."""
 
     def __init__(self, poisoning: Poisoning, chosen: torch.Tensor | None):
         self.map, self.size, self.target = poisoning.map, poisoning.size, poisoning.target
@@ -103,7 +104,6 @@ class ClientPoison:
         if self.chosen is None:   # label flipping
             return x, self.map[y]
         marked = torch.isin(batch.to(self.chosen.device), self.chosen)
-        x = x.clone()
         corner = x[:, :, x.shape[2] - self.size:, x.shape[3] - self.size:]
         corner[marked] = 255
         return x, torch.where(marked, torch.full_like(y, self.target), y)
