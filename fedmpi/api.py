@@ -159,7 +159,7 @@ def resume_config(path, speak: bool = True):
     if status == "running" and liveness.state(writer) == liveness.ALIVE:
         from .results.lock import busy_message
         raise UsageError(busy_message(path, writer))
-    if status == "completed":
+    if status in ("completed", "pruned"):   # a pruned trial ended as its study decided
         return None, None
     back = None
     if start is not None and not start.samefile("."):

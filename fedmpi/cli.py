@@ -24,7 +24,7 @@ EXIT_FAILED, EXIT_INTERRUPTED = 1, 130   # 130: killed by SIGINT, by convention
 # one process's work, done by launcher rank 0 alone (the others exit 0 at once): three
 # ranks printed a report three times, wrote one figure three times over each other, and
 # `fedmpi evaluate` raced for the file's lock and ended the job with exit 2.
-MPI_COMMANDS = ("run", "sweep")
+MPI_COMMANDS = ("run", "sweep", "tune")
 
 
 class _CommandLineError(click.UsageError):
@@ -204,7 +204,8 @@ def _resume_config(path, other_arguments):
                          "--preset, --set, -o and --force")
     config, _ = resume_config(path, speak=_launcher_rank() == 0)
     if config is None and _launcher_rank() == 0:
-        click.echo(f"{path}: run already completed; nothing to resume")
+        click.echo(f"{path}: run already ended (completed, or pruned by its tuning study); "
+                   f"nothing to resume")
     return config
 
 
@@ -342,8 +343,9 @@ def evaluate(file, probe_names, overrides, quiet):
 # Offline analysis (fedmpi.analysis): paper-style tables, figures, following a live run.
 from .analysis.cli import plot, report, watch  # noqa: E402
 from .sweep_cli import sweep  # noqa: E402
+from .tune_cli import tune  # noqa: E402
 
-for _command in (report, plot, watch, sweep):
+for _command in (report, plot, watch, sweep, tune):
     main.add_command(_command)
 
 

@@ -152,13 +152,13 @@ def load(path, *, outdir: str | None = None, overrides=()) -> Sweep:
     if unknown:
         raise UsageError(f"sweep {path}: unknown key(s) {', '.join(unknown)}; "
                          f"allowed: {', '.join(SWEEP_KEYS)}")
-    base = _base(path, values)
-    fixed = _dotted(path, "set", values.get("set", {}))
-    grid = _dotted(path, "grid", values.get("grid", {}))
-    name = _string(path, values, "name", path.stem)
+    base = base_of(path, values)
+    fixed = dotted_table(path, "set", values.get("set", {}))
+    grid = dotted_table(path, "grid", values.get("grid", {}))
+    name = string_field(path, values, "name", path.stem)
     if outdir is not None:
         values = dict(values, outdir=outdir)
-    directory = Path(_string(path, values, "outdir", "runs")).expanduser() / name
+    directory = Path(string_field(path, values, "outdir", "runs")).expanduser() / name
     extra = list(overrides)
     _check_keys(path, fixed, grid, extra)
     cells = tuple(_cells(path, fixed, grid, extra, directory))
@@ -206,29 +206,29 @@ def _read(path: Path) -> dict:
     return read_toml_file(path, "sweep file")
 
 
-def _string(path: Path, values: dict, key: str, default: str) -> str:
+def string_field(path: Path, values: dict, key: str, default: str, what: str = "sweep") -> str:
     value = values.get(key, default)
     if not isinstance(value, str) or not value:
-        raise UsageError(f"sweep {path}: {key} must be a non-empty string, got {value!r}")
+        raise UsageError(f"{what} {path}: {key} must be a non-empty string, got {value!r}")
     if "{" in value or "}" in value:
-        raise UsageError(f"sweep {path}: {key} may not contain braces, got {value!r}")
+        raise UsageError(f"{what} {path}: {key} may not contain braces, got {value!r}")
     return value
 
 
-def _base(path: Path, values: dict) -> tuple[str, str]:
+def base_of(path: Path, values: dict, what: str = "sweep") -> tuple[str, str]:
     if ("preset" in values) == ("config" in values):
-        raise UsageError(f"sweep {path}: give exactly one base, preset = \"NAME\" or "
-                         f"config = \"FILE\" (relative to the sweep file)")
+        raise UsageError(f"{what} {path}: give exactly one base, preset = \"NAME\" or "
+                         f"config = \"FILE\" (relative to the {what} file)")
     if "preset" in values:
-        return "preset", _string(path, values, "preset", "")
-    config = path.parent / _string(path, values, "config", "")
+        return "preset", string_field(path, values, "preset", "", what)
+    config = path.parent / string_field(path, values, "config", "", what)
     if not config.is_file():
-        raise UsageError(f"sweep {path}: config file {config} does not exist "
-                         f"(config is relative to the sweep file)")
+        raise UsageError(f"{what} {path}: config file {config} does not exist "
+                         f"(config is relative to the {what} file)")
     return "config", str(config)
 
 
-def _dotted(path: Path, section: str, table, prefix: str = "") -> dict[str, Any]:
+def dotted_table(path: Path, section: str, table, prefix: str = "", what: str = "sweep") -> dict[str, Any]:
     """``{"train": {"lr": 1}, "seed": [0]}`` -> ``{"train.lr": 1, "seed": [0]}``.
 
     In [grid] a table is always a section to descend into and a list is a key's values;
@@ -236,12 +236,12 @@ def _dotted(path: Path, section: str, table, prefix: str = "") -> dict[str, Any]
     ``"train.lr" = 0.1`` mean the same.
     """
     if not isinstance(table, dict):
-        raise UsageError(f"sweep {path}: [{section}] must be a table of dotted keys")
+        raise UsageError(f"{what} {path}: [{section}] must be a table of dotted keys")
     flat = {}
     for key, value in table.items():
         dotted = f"{prefix}{key}"
         if isinstance(value, dict):
-            flat.update(_dotted(path, section, value, dotted + "."))
+            flat.update(dotted_table(path, section, value, dotted + ".", what))
         elif section == "grid" and (not isinstance(value, list) or not value):
             raise UsageError(f"sweep {path}: [grid] {dotted} must be a non-empty list of values, "
                              f"got {value!r}")

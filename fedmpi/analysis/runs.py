@@ -41,7 +41,7 @@ class Run:
 
     @cached_property
     def status(self) -> str:
-        """running|completed|failed|interrupted as the file says, or crashed: the file
+        """running|completed|failed|interrupted|pruned as the file says, or crashed: the file
         says running but its writer is gone (seen from the writer's host), as of first
         use (load again to refresh)."""
         return liveness.seen_status(str(self.attrs.get("status", "unknown")), self.attrs.get("writer"))

@@ -41,7 +41,7 @@ IGNORED_KEYS = ("seed", "name", "output", "data.data_dir", "system.")
 PLACEMENT_KEYS = ("seed", "name", "output", "data.data_dir", "system.device", "system.gpu_share",
                   "system.deterministic", "system.threads", "system.client_group",
                   "system.state_memory_mb", "system.state_dir", "system.checkpoint_every")
-STATUS_ORDER = ("completed", "running", "interrupted", "crashed", "failed")
+STATUS_ORDER = ("completed", "pruned", "running", "interrupted", "crashed", "failed")
 
 
 def differing_keys(runs: list[Run], ignore=IGNORED_KEYS) -> list[str]:

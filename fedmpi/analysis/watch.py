@@ -13,7 +13,7 @@ come for ``_STALL_ROUNDS`` times the median round time, and never sooner than
 ``_STALL_MIN`` seconds, counted from the file's last change.
 
 Exit codes (``watch`` returns them; ``fedmpi watch`` exits with them): 0 the run
-completed (or, with ``once``, is still running), 1 it failed or crashed (its writer is
+completed (or, with ``once``, is still running; or a tuning study pruned it), 1 it failed or crashed (its writer is
 gone, or presumed gone after such a stall), 75 it was interrupted (preempted; resumable,
 as ``fedmpi run`` exits then), 124 ``timeout`` seconds passed without a new round (or,
 with ``wait``, without the file), 2 bad input (also a damaged file).
@@ -33,7 +33,7 @@ from fedmpi.analysis.runs import latest_rows
 from fedmpi.errors import UsageError, did_you_mean
 from fedmpi.results import liveness, open_run
 
-EXIT_CODES = {"completed": 0, "failed": 1, "interrupted": 75}
+EXIT_CODES = {"completed": 0, "pruned": 0, "failed": 1, "interrupted": 75}
 EXIT_CRASHED = 1
 EXIT_TIMEOUT = 124      # as coreutils timeout
 _RECENT = 5             # rounds averaged for s/round and the ETA
@@ -205,6 +205,8 @@ def ending(path, status: str, rounds: dict, config: dict, attrs: dict) -> str:
     if status == "failed":
         where = f" at round {attrs['failed_round']}" if attrs.get("failed_round") is not None else ""
         return f"failed{where} after {done}/{planned} rounds: {attrs.get('error', 'no error recorded')}"
+    if status == "pruned":
+        return f"pruned by its tuning study after {done}/{planned} rounds"
     return f"interrupted after {done}/{planned} rounds; continue with: fedmpi run --resume {path}"
 
 

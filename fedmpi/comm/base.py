@@ -137,6 +137,12 @@ class Comm:
         with, every rank just loads."""
         return load()
 
+    def release_shared(self) -> None:
+        """Free what ``node_shared`` holds, once the experiment that read it has ended and
+        been dropped (collective over all ranks): a process that runs one experiment after
+        another (``fedmpi tune``) would otherwise keep every one's dataset. Nothing may
+        read those tensors after. Here there is nothing to free."""
+
 
 class Stopwatch:
     """Adds elapsed seconds to a ledger field; used around every collective."""

@@ -77,7 +77,7 @@ class MPIComm(Comm):
         self.ledger = Ledger()
         self.max_sleep = max_sleep
         self.node_windows = []   # (node communicator, window) behind shared tensors: kept
-                                 # until MPI_Finalize frees them, never freed earlier
+                                 # until MPI_Finalize or release_shared frees them
 
     def _arrive(self) -> None:
         """Wait for every rank without spinning: Ibarrier + Test with backoff sleep."""
@@ -237,6 +237,12 @@ class MPIComm(Comm):
             return sorted(node.allgather((self.rank, info)), key=lambda pair: pair[0])
         finally:
             node.Free()
+
+    def release_shared(self):
+        for node, window in self.node_windows:
+            window.Free()
+            node.Free()
+        self.node_windows = []
 
     def node_shared(self, load):
         """``load()``'s object, its CPU tensor attributes in one shared-memory window per

@@ -83,7 +83,7 @@ class RunFile:
     @property
     @_reads
     def status(self) -> str:
-        """running|completed|failed|interrupted as of opening (reopen to see a change).
+        """running|completed|failed|interrupted|pruned as of opening (reopen to see a change).
 
         "running" on a file no process writes any more means the run died.
         """

@@ -36,7 +36,7 @@ FORMAT = "fedmpi-results"
 # with an older HDF5 could not read.
 LIBVER = ("v110", "latest")
 
-STATUSES = ("running", "completed", "failed", "interrupted")
+STATUSES = ("running", "completed", "failed", "interrupted", "pruned")
 
 # Root attributes the writer owns; provenance and status extras may not shadow them.
 RESERVED_ATTRS = frozenset(
