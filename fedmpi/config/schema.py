@@ -309,6 +309,20 @@ class AttackConfig:
 
 
 @dataclass
+class TrackingConfig:
+    """Live tracking (rank 0 mirrors every /rounds row); off by default, never needed to
+    read a run: the results file is the record, and a tracker that fails only warns."""
+    tensorboard: bool = False          # event files (scalars rounds/<column>, step = round)
+    tensorboard_dir: str = ""          # "": beside the results file, <file without .h5>.tb/
+    mlflow: bool = False               # an MLflow run: the config as parameters, the rows
+                                       # as metrics, the results file as an artifact
+    mlflow_uri: str = ""               # a tracking URI (a server); "": a local store,
+                                       # sqlite:///<results dir>/mlflow.db, no server
+    experiment: str = ""               # MLflow experiment / W&B project; "": the config's name
+    wandb: bool = False                # a W&B run in offline mode (wandb sync uploads it)
+
+
+@dataclass
 class ExperimentConfig:
     name: str = "experiment"
     seed: int = 0
@@ -328,6 +342,7 @@ class ExperimentConfig:
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     robust: RobustConfig = field(default_factory=RobustConfig)
     attack: AttackConfig = field(default_factory=AttackConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def output_path(self) -> Path:
         """``output`` with its placeholders filled in and a leading ``~`` expanded (a TOML

@@ -19,7 +19,7 @@ from .coerce import build, check_scalar, field_error, one_of as _one_of, positiv
 from .schema import OPEN_SECTIONS, ExperimentConfig, upgrade
 from .validate_personal import validate_personal
 from .validate_privacy import validate_privacy
-from .validate_robust import validate_robust
+from .validate_robust import validate_robust, validate_tracking
 from .validate_system import validate_system_model
 from .vocab import (ASYNC_MODES, DOWN_CODECS, EMPTY_ROUNDS, FEEDBACK, FINETUNE_HEADS,
                     LOCAL_OPTIMIZERS, LOCAL_SCHEDULES, PRECISIONS, PROBES, ROUND_SCHEDULES,
@@ -111,6 +111,7 @@ def resolve_and_validate(c: ExperimentConfig) -> None:
     validate_privacy(c)
     validate_personal(c)
     validate_robust(c)
+    validate_tracking(c)
     _validate_paths(c)
 
 

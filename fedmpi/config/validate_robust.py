@@ -14,6 +14,19 @@ DATA_ATTACKS = ("label_flip", "backdoor")                # fedmpi.runtime.poison
 ATTACKS = ("none", *MODEL_ATTACKS, *COHORT_ATTACKS, *DATA_ATTACKS)
 
 
+def validate_tracking(c: ExperimentConfig) -> None:
+    t = c.tracking
+    if t.tensorboard_dir and not t.tensorboard:
+        raise field_error("tracking.tensorboard_dir", "is set but tracking.tensorboard is "
+                                                      "false; turn it on or drop the folder")
+    if (t.mlflow_uri or t.experiment) and not (t.mlflow or t.wandb):
+        key = "tracking.mlflow_uri" if t.mlflow_uri else "tracking.experiment"
+        raise field_error(key, "is set but no tracker is on (tracking.mlflow, tracking.wandb)")
+    for key in ("tensorboard_dir", "mlflow_uri", "experiment"):
+        if "\n" in getattr(t, key) or len(getattr(t, key)) > 4096:
+            raise field_error(f"tracking.{key}", "must be one line of at most 4096 characters")
+
+
 def validate_robust(c: ExperimentConfig) -> None:
     from ..runtime.robust import RULES   # deferred: the runtime imports the config
     r, a = c.robust, c.attack

@@ -72,7 +72,8 @@ class Experiment:
         self.observers = default_observers(quiet) if observers is None else observers
         self.writer = None
         self.lock = None     # server: the results file's lock, held for the whole run
-        self.stop = None     # why the server stops the run: DIVERGED or PREEMPTED
+        self.stop = None     # why the server stops the run: DIVERGED, PREEMPTED, PRUNED;
+                             # "failed" once an error ended it (for on_end)
         self.start = 0       # first round to run (after a checkpoint's completed rounds)
         self.at_start = False  # evaluate the initial model first (round 0; eval.at_start)
         self.ready = False   # setup done: from here an error may be one rank's alone
@@ -184,6 +185,9 @@ class Experiment:
         except BaseException as exc:
             fail(self, exc)
             self.release()
+            if self.comm.is_server:
+                self.stop = self.stop or "failed"
+                self._notify("on_end")
             raise
         if not self.comm.is_server:
             return None
@@ -194,6 +198,7 @@ class Experiment:
             self.writer.close()
         finally:
             self.release()
+        self._notify("on_end")
         return self.config.output_path()
 
     def _round(self, t: int) -> None:

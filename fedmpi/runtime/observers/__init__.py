@@ -7,7 +7,9 @@ spectra. Each is one small module; the engine knows only the hooks below.
 - ``client_hook(exp, t, p)``: a worker's callable ``(client, upload) -> seconds`` run
   after each local update of phase p, or None (the default: nothing per client);
 - ``after_evaluate(exp, t, timers)``: every rank, after round t's evaluation step;
-- ``after_round(exp, record)``: server, once the round (or round 0) is on disk.
+- ``after_round(exp, record)``: server, once the round (or round 0) is on disk;
+- ``on_end(exp)``: server, once the results file is closed (completed, pruned, diverged,
+  stopped to be resumed, or failed on an error).
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ class Observer:
     def after_round(self, exp, record: RoundRecord) -> None:
         pass
 
+    def on_end(self, exp) -> None:
+        pass
+
 
 def default_observers(quiet: bool) -> list[Observer]:
     """In calling order: a diverged round is neither checkpointed nor interrupted, and
@@ -57,6 +62,8 @@ def default_observers(quiet: bool) -> list[Observer]:
     from .progress import Progress
     from .spectra import LocalSpectra
     from .storage import Storage
+    from .tracking import Tracking
     spectra = LocalSpectra()
-    out = [spectra, Probes(spectra), Divergence(), Storage(), Checkpoint(), Preemption()]
+    out = [spectra, Probes(spectra), Divergence(), Storage(), Checkpoint(), Preemption(),
+           Tracking()]
     return out if quiet else out + [Progress()]
