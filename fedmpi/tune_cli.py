@@ -83,11 +83,18 @@ def _work(study, max_trials, quiet) -> None:
             break
         method = study.method(claim.method)
         where = f"trial {claim.method}/{claim.number}"
-        if claim.resume:
-            config, _ = api.resume_config(claim.output, speak=server)
-        else:
-            config = study.config(method, claim.params, Path(claim.output))
-            api.prepare(config, force=False)
+        try:
+            if claim.resume:
+                config, _ = api.resume_config(claim.output, speak=server)
+            else:
+                config = study.config(method, claim.params, Path(claim.output))
+                api.prepare(config, force=False)
+        except UsageError as exc:   # a point the config refuses (every rank alike): a
+            if server:              # failed trial, and the study goes on
+                worker.fail(study, store, claim, exc)
+                click.echo(f"fedmpi: {where}: refused, marked failed: {exc}", err=True)
+            done += 1
+            continue
         if speak:
             shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                               for k, v in claim.params.items())

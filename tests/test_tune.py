@@ -242,3 +242,21 @@ def test_a_study_under_mpirun_is_the_single_process_study(tmp_path):
             assert y.attrs["world_size"] == 3
             assert x.config["train"]["lr"] == y.config["train"]["lr"]
             assert np.array_equal(x.model(), y.model())
+
+
+@pytest.mark.slow
+def test_a_point_the_config_refuses_is_a_failed_trial_and_the_study_goes_on(tmp_path):
+    """Only the lowest point of the space is checked before the study; another point may
+    be one the config refuses (a negative rate here, a codec parameter without its codec
+    in practice): that trial fails with the config's one line, the next one runs."""
+    write_study(tmp_path, trials=5, pruner="none", space="[0.1, -1.0]", rounds=1)
+    proc = tune(tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    trials = trials_of(tmp_path)
+    bad = [t for t in trials if t.params["train.lr"] == -1.0]
+    assert bad and len(trials) == 5
+    for trial in trials:
+        assert trial.state.name == ("FAIL" if trial in bad else "COMPLETE")
+    assert all("train.lr" in t.user_attrs["error"] for t in bad)
+    assert proc.stderr.count("refused, marked failed") == len(bad)
+    assert not any((tmp_path / t.user_attrs["output"]).exists() for t in bad)
