@@ -9,6 +9,7 @@ every rank runs the trial), or as N SLURM array tasks on one study
 from __future__ import annotations
 
 import gc
+import json
 import sys
 from pathlib import Path
 
@@ -54,11 +55,16 @@ def tune(study_file, best, show_status, max_trials, overrides, outdir, quiet):
         return
     refuse_spaced_value(overrides, [study_file])
     study = tunes.load(study_file, outdir=outdir, overrides=overrides)
-    if best or show_status:
-        from .tune_report import summary
-        click.echo(summary(study, best))
-        return
-    _work(study, max_trials, quiet)
+    try:
+        if best or show_status:
+            from .tune_report import summary
+            click.echo(summary(study, best))
+            return
+        _work(study, max_trials, quiet)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UsageError(f"study journal {study.journal} is damaged (a line that is not "
+                         f"Optuna's JSON: {exc}); restore it from a copy, or give the study "
+                         f"another outdir") from None
 
 
 def _work(study, max_trials, quiet) -> None:

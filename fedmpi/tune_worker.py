@@ -45,7 +45,9 @@ from .tune import Study
 # study touches it, so that a missing one is a one-line error (optuna_module)
 
 RESUMABLE = ("interrupted", "failed", "crashed")
+ENDED = ("completed", "pruned")
 ABANDONED = 3600.0   # seconds: a claim whose run never wrote its file is given up after this
+UNTOLD = 60.0        # seconds: a run that ended this long ago and was never told, is told
 
 
 @dataclass
@@ -74,8 +76,40 @@ def storage(study: Study):
 
     study.directory.mkdir(parents=True, exist_ok=True)
     path = str(study.journal)
+    _drop_partial_line(study.journal, JournalFileOpenLock(path))
     return optuna.storages.JournalStorage(
         JournalFileBackend(path, lock_obj=JournalFileOpenLock(path)))
+
+
+def _drop_partial_line(journal: Path, lock) -> None:
+    """A journal whose last line was cut short (a worker killed, or its node lost, while
+    appending) loses that line: Optuna skips it when it is last, but the next append
+    would make it a broken line inside the file. Under the journal's own lock, so no
+    write is in progress."""
+    if not journal.exists() or _ends_whole(journal):
+        return
+    while not lock.acquire():
+        time.sleep(0.05)
+    try:
+        if _ends_whole(journal):
+            return
+        data = journal.read_bytes()
+        keep = data.rfind(b"\n") + 1
+        with open(journal, "r+b") as f:
+            f.truncate(keep)
+        warn(f"fedmpi: study journal {journal}: dropped its cut-short last line "
+             f"({len(data) - keep} bytes: a write that never finished); the study goes on")
+    finally:
+        lock.release()
+
+
+def _ends_whole(journal: Path) -> bool:
+    with open(journal, "rb") as f:
+        f.seek(0, 2)
+        if f.tell() == 0:
+            return True
+        f.seek(-1, 2)
+        return f.read(1) == b"\n"
 
 
 def optuna_study(study: Study, method, store, trials_so_far: int = 0):
@@ -169,8 +203,13 @@ def _take_back(study: Study, store) -> Claim | None:
             if path is None:
                 continue
             if path.exists():
-                status = file_status(path)
-                if status not in RESUMABLE or path.stat().st_mtime <= claimed:
+                status, written = file_status(path), path.stat().st_mtime
+                if status in ENDED and written > claimed and time.time() - written > UNTOLD:
+                    # its worker died between the run's end and telling Optuna
+                    tell(study, store, Claim(method.name, trial.number, trial._trial_id,
+                                             {}, output, resume=False))
+                    continue
+                if status not in RESUMABLE or written <= claimed:
                     continue
                 resume = True
             elif time.time() - claimed > ABANDONED:

@@ -260,3 +260,79 @@ def test_a_point_the_config_refuses_is_a_failed_trial_and_the_study_goes_on(tmp_
     assert all("train.lr" in t.user_attrs["error"] for t in bad)
     assert proc.stderr.count("refused, marked failed") == len(bad)
     assert not any((tmp_path / t.user_attrs["output"]).exists() for t in bad)
+
+
+@pytest.mark.slow
+@needs_mpi
+def test_the_array_template_runs_a_worker_of_the_study(tmp_path):
+    """jobs/slurm/array_tune.sbatch as SLURM would run it (FEDMPI_LAUNCHER=mpirun): its
+    one worker spends the budget; a second task finds nothing left and exits 0."""
+    import os
+    from conftest import ROOT
+    write_study(tmp_path, trials=2, pruner="none", space="{low = 0.02, high = 0.2}", rounds=1)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "PYTHONPATH": str(ROOT), "SLURM_ARRAY_TASK_ID": "0", "SLURM_NTASKS": "2",
+           "FEDMPI_LAUNCHER": "mpirun", "OMPI_ALLOW_RUN_AS_ROOT": "1",
+           "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMPI_MCA_rmaps_base_oversubscribe": "1"}
+    template = str(ROOT / "jobs/slurm/array_tune.sbatch")
+    for task in ("0", "1"):
+        proc = subprocess.run(["bash", template, "study.toml", "-q"], cwd=tmp_path, text=True,
+                              capture_output=True, timeout=300,
+                              env={**env, "SLURM_ARRAY_TASK_ID": task})
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "mpirun, 2 ranks, a worker of study study.toml" in proc.stdout
+    trials = trials_of(tmp_path)
+    assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE"]
+    with open_run(tmp_path / trials[0].user_attrs["output"]) as run:
+        assert run.attrs["world_size"] == 2
+
+
+@pytest.mark.slow
+def test_a_journal_cut_mid_line_loses_that_line_and_a_damaged_one_is_refused(tmp_path):
+    """A worker killed while appending leaves a partial last line: it is dropped (one
+    warning) before anything is appended after it, and the study goes on. A line of
+    garbage inside the journal is one line, exit 2."""
+    write_study(tmp_path, trials=2, pruner="none", space="{low = 0.02, high = 0.2}", rounds=1)
+    assert tune(tmp_path, "-q").returncode == 0
+    journal = tmp_path / "out/study/study.journal"
+    whole = journal.read_bytes()
+    partial = b'{"op_code": 5, "worker_id": "x", "trial_id": 1, "us'
+    journal.write_bytes(whole + partial)
+    (tmp_path / "study.toml").write_text((tmp_path / "study.toml").read_text()
+                                         .replace("trials = 2", "trials = 3"))
+    proc = tune(tmp_path, "-q")
+    assert proc.returncode == 0, proc.stderr
+    assert f"dropped its cut-short last line ({len(partial)} bytes" in proc.stderr
+    assert journal.read_bytes().startswith(whole) and journal.read_bytes().endswith(b"\n")
+    assert [t.state.name for t in trials_of(tmp_path)] == ["COMPLETE"] * 3
+    with open(journal, "ab") as f:
+        f.write(bytes(range(128, 256)) + b"\n")
+    proc = tune(tmp_path, "--status")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert "study journal out/study/study.journal is damaged" in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_trial_whose_worker_died_before_telling_is_told_from_its_file(tmp_path, monkeypatch):
+    """The run completed, the worker died before Optuna heard: the next claim reads the
+    objective from the file (once the file is a minute old) instead of running it again."""
+    import os
+    from fedmpi import tune_worker as worker
+    monkeypatch.chdir(tmp_path)
+    write_study(tmp_path, trials=2, pruner="none", space="{low = 0.02, high = 0.2}", rounds=1)
+    study = tunes.load("study.toml")
+    store = worker.storage(study)
+    claim = worker.claim(study, store)
+    fedmpi(["run", "base.toml", "--set", f"train.lr={claim.params['train.lr']!r}",
+            "-o", claim.output], check=True)
+    old = time.time() - 2 * worker.UNTOLD
+    os.utime(claim.output, (old, old))
+    [trial] = trials_of(tmp_path)
+    assert trial.state.name == "RUNNING"
+    store.set_trial_user_attr(claim.trial_id, "claimed", old - 1)   # claimed before its run
+    nxt = worker.claim(study, store)
+    assert nxt.number == 1 and not nxt.resume
+    told = trials_of(tmp_path)[0]
+    with open_run(claim.output) as run:
+        acc = run.rounds()["test_acc"]
+    assert told.state.name == "COMPLETE" and told.value == float(acc[np.isfinite(acc)][-1])
