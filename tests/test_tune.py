@@ -166,7 +166,11 @@ def test_two_workers_on_one_journal_run_the_budget_once(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_killed_trial_resumes_and_ends_as_an_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_killed_trial_resumes_and_ends_as_an_uninterrupted_run(tmp_path, sig):
+    """SIGTERM: the trial checkpoints and its worker exits 75; SIGKILL: the worker dies
+    mid-round, its file says running with a dead writer (crashed). Either way the next
+    worker takes the trial back and it ends as the uninterrupted run."""
     write_study(tmp_path, trials=1, pruner="none", space="[0.05]", rounds=30,
                 system={"deterministic": True, "checkpoint_every": 1})
     output = tmp_path / "out/study/base/trial-0000.h5"
@@ -182,11 +186,11 @@ def test_a_killed_trial_resumes_and_ends_as_an_uninterrupted_run(tmp_path):
         except (UsageError, OSError):
             pass
         time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 75, err
+    assert proc.returncode == (75 if sig == signal.SIGTERM else -signal.SIGKILL), err
     with open_run(output) as run:
-        assert run.status == "interrupted"
+        assert run.status == ("interrupted" if sig == signal.SIGTERM else "running")
     assert [t.state.name for t in trials_of(tmp_path)] == ["RUNNING"]
     resumed = tune(tmp_path)
     assert resumed.returncode == 0 and "trial base/0 (train.lr=0.05): resuming" in resumed.stdout
