@@ -230,22 +230,28 @@ def test_a_multi_objective_study_gives_its_pareto_front(tmp_path):
 @pytest.mark.slow
 @needs_mpi
 def test_a_study_under_mpirun_is_the_single_process_study(tmp_path):
-    """Two trials in one 3-rank job (the dataset windows freed between them): every trial's
-    parameters, values and final model as one process's study gives them."""
-    write_study(tmp_path, trials=2, pruner="none", space="{low = 0.02, high = 0.2}",
-                rounds=2, system={"deterministic": True})
+    """Six trials in one 3-rank job (the dataset windows freed between them), the median
+    pruner on: every trial's parameters, state, rounds and final model (a pruned one: its
+    pruned round) as one process's study gives them; a pruned trial stops every rank."""
+    write_study(tmp_path, trials=6, rounds=6, system={"deterministic": True})
     one = tune(tmp_path, "-q", "--outdir", "one")
     assert one.returncode == 0, one.stderr
     three = mpirun(3, [sys.executable, "-m", "fedmpi", "tune", str(tmp_path / "study.toml"),
                        "-q", "--outdir", str(tmp_path / "three")], timeout=300)
     assert three.returncode == 0, three.stderr
-    for number in range(2):
+    states = []
+    for number in range(6):
         a = tmp_path / f"one/study/base/trial-{number:04d}.h5"
         b = tmp_path / f"three/study/base/trial-{number:04d}.h5"
         with open_run(a) as x, open_run(b) as y:
             assert y.attrs["world_size"] == 3
             assert x.config["train"]["lr"] == y.config["train"]["lr"]
-            assert np.array_equal(x.model(), y.model())
+            assert x.status == y.status and x.attrs.get("pruned_round") == y.attrs.get("pruned_round")
+            assert np.array_equal(x.rounds()["test_acc"], y.rounds()["test_acc"], equal_nan=True)
+            if x.status == "completed":
+                assert np.array_equal(x.model(), y.model())
+            states.append(x.status)
+    assert "pruned" in states and "completed" in states
 
 
 @pytest.mark.slow
