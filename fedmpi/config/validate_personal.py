@@ -59,9 +59,12 @@ def validate_personal(c: ExperimentConfig) -> None:
         raise field_error("eval.clients", f"scores a classifier on each client's test split; "
                                           f"algorithm {c.algorithm.name!r} learns an encoder "
                                           f"(kNN and the probes score it)")
-    if not p.local_test:
+    from ..data.registry import has_client_tests   # deferred: data imports the config
+    if not p.local_test and not (p.kind == "natural" and has_client_tests(c.data.dataset)):
         raise field_error("eval.clients", "scores each client on its local test split; needs "
-                                          "partition.local_test > 0 (e.g. 0.2)")
+                                          "partition.local_test > 0 (e.g. 0.2), or a dataset "
+                                          "whose files split each user (LEAF) under "
+                                          "partition.kind = \"natural\"")
 
 
 def held_out(c: ExperimentConfig) -> int:

@@ -48,6 +48,8 @@ class DatasetSpec:
     modality: str | Callable[..., str]
     locate: Callable[[str | None], Path | str | None] | None
     hint: str
+    client_tests: bool = False   # its files split each natural client's samples (LEAF):
+                                 # Dataset.held_out, the local test splits of `natural`
 
     def options(self) -> list[str]:
         """The loader's options (config data.<option>): its parameters after data_dir, seed."""
@@ -59,7 +61,7 @@ DATASETS: dict[str, DatasetSpec] = {}
 
 def register(name: str, *, modality: str | Callable[..., str] = "image",
              locate: Callable[[str | None], Path | str | None] | None = None,
-             hint: str = "") -> Callable:
+             hint: str = "", client_tests: bool = False) -> Callable:
     """Decorator: make a loader selectable as ``data.dataset = name``.
 
     The loader is ``load(data_dir=None, seed=0, <option>=<default>, ...) -> Dataset``: the
@@ -89,7 +91,7 @@ def register(name: str, *, modality: str | Callable[..., str] = "image",
             raise UsageError(f"dataset {name!r} is registered already (by "
                              f"{DATASETS[name].load.__module__}); choose another name")
         _check_signature(name, load)
-        DATASETS[name] = DatasetSpec(name, load, modality, locate, hint)
+        DATASETS[name] = DatasetSpec(name, load, modality, locate, hint, client_tests)
         return load
     return decorator
 
@@ -117,6 +119,12 @@ def _lookup(name: str) -> DatasetSpec:
     if name not in DATASETS:
         raise UsageError(f"dataset {name!r} is unknown; allowed: {', '.join(DATASETS)}")
     return DATASETS[name]
+
+
+def has_client_tests(name: str) -> bool:
+    """Whether dataset ``name``'s files give each natural client its own test samples."""
+    spec = DATASETS.get(name)
+    return spec is not None and spec.client_tests
 
 
 def dataset_modality(name: str, data_dir: str | None = None, options: Mapping | None = None) -> str:
@@ -312,6 +320,17 @@ def check_dataset(ds, name: str, modality: str | None = None):
         if len(names) <= int(arrays["groups"].max()):
             fail(f"group_names has {len(names)} names but groups uses id "
                  f"{int(arrays['groups'].max())}")
+    if ds.test_groups is not None:
+        owners = ds.test_groups
+        if ds.groups is None or not isinstance(owners, torch.Tensor) or owners.dtype != torch.int64 \
+                or owners.shape != ds.test_y.shape:
+            fail("test_groups must be an int64 tensor of one natural client per test sample, "
+                 "beside groups")
+        if len(owners) and not (-1 <= int(owners.min()) and int(owners.max()) <= int(arrays["groups"].max())):
+            fail("test_groups holds an id that is no natural client (-1: none)")
+    if ds.held_out is not None and (ds.groups is None or ds.held_out.dtype != torch.bool
+                                    or ds.held_out.shape != ds.train_y.shape):
+        fail("held_out must be a bool tensor of one flag per training sample, beside groups")
     if not isinstance(ds.name, str) or not isinstance(ds.source, str):
         fail("Dataset.name and Dataset.source must be strings (source: where the data came "
              "from)")

@@ -61,6 +61,11 @@ class Dataset:
     modality: str = "image"  # "image" | "text" | "tabular"
     groups: torch.Tensor | None = None  # int64 [N]: natural client of each train sample
     group_names: list[str] | None = None  # group k's name, e.g. "hamlet/HAMLET"
+    test_groups: torch.Tensor | None = None  # int64 [M]: the natural client of each test
+                                             # sample (-1: none), where the files say (LEAF)
+    held_out: torch.Tensor | None = None  # bool [N]: train samples that are a natural
+    # client's own test samples (LEAF's per-user split): never trained on; under
+    # partition.kind = "natural" they are each client's local test split
 
     @property
     def in_channels(self) -> int:

@@ -117,6 +117,9 @@ def federate(config, dataset) -> FederatedSplit:
     pool = np.arange(len(labels))
     if config.data.public_from == "train" and len(public):
         pool = np.setdiff1d(pool, public)  # the public set is nobody's training data
+    held = dataset.held_out.numpy() if getattr(dataset, "held_out", None) is not None else None
+    if held is not None:
+        pool = pool[~held[pool]]           # a natural client's own test samples: never trained
     n, p = config.clients.num, config.partition
 
     def draw(seed: int) -> Partition:
@@ -141,7 +144,26 @@ def federate(config, dataset) -> FederatedSplit:
     if config.partition.local_test:
         split.offsets, split.indices, split.test_offsets, split.test_indices = local_test_split(
             offsets, indices, labels, config.partition.local_test, config.seed)
+    elif held is not None and p.kind == "natural":
+        split.test_offsets, split.test_indices = own_test_split(offsets, indices, groups, held)
     return split
+
+
+def own_test_split(offsets, indices, groups, held):
+    """Each natural client's local test split from the files (LEAF's per-user split): the
+    held-out samples of its group, ascending; clients are whole groups, so a client's
+    group is its first sample's."""
+    sizes = np.diff(offsets)
+    client_of_group = np.full(int(groups.max()) + 1, -1, dtype=np.int64)
+    has = sizes > 0
+    client_of_group[groups[indices[offsets[:-1][has]]]] = np.flatnonzero(has)
+    ids = np.flatnonzero(held)
+    owner = client_of_group[groups[ids]]
+    ids, owner = ids[owner >= 0], owner[owner >= 0]
+    order = np.lexsort((ids, owner))
+    counts = np.bincount(owner, minlength=len(sizes))
+    return (np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
+            ids[order].astype(np.int64))
 
 
 def local_test_split(offsets, indices, labels, fraction: float, seed: int):

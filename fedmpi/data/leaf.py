@@ -1,0 +1,284 @@
+"""LEAF's benchmark files (Caldas et al., "LEAF: A Benchmark for Federated Settings",
+arXiv:1812.01097) as their users have them on disk: ``data.dataset = "leaf_femnist" |
+"leaf_shakespeare" | "leaf_celeba"``, ``data.data_dir`` = the dataset's LEAF ``data/``
+folder after ``preprocess.sh`` (its ``train/`` and ``test/`` folders of JSON shards;
+CelebA's images in ``raw/img_align_celeba/``). Any sampled subset LEAF's ``--sf`` made
+loads as it is.
+
+A shard is ``{"users": [...], "num_samples": [...], "user_data": {user: {"x": [...],
+"y": [...]}}}`` (LEAF's data_to_json / split_data). The users of the train shards, in
+the order the shards (sorted by name) list them, are the natural clients
+(``partition.kind = "natural"``: ``groups`` per train sample, ``group_names`` the user
+ids); the test shards are the test set, and each test sample keeps its user
+(``test_groups``, -1 for a user without training data: LEAF's ``-t user`` split). What
+``x`` holds, per dataset:
+
+- FEMNIST: 784 values in [0, 1], a 28x28 grey image / 255 (white paper is 1.0, as LEAF
+  writes it: nothing is inverted), stored as uint8 round(255 x); 62 classes (0-9, A-Z,
+  a-z).
+- Shakespeare: strings of 80 characters, the label the next character; ids are LEAF's
+  80 letters (ALL_LETTERS, fedmpi.data.shakespeare), any other character id 80.
+- CelebA: image file names in ``raw/img_align_celeba``, resized to 84x84 RGB as LEAF's
+  model reads them; the label is smiling (0/1).
+
+Parsing JSON is slow for the full sets (FEMNIST's 3,500 writers are ~2.5 GB of text), so
+the arrays are kept in a cache keyed by the shards' sha256 (``.fedmpi-cache/`` in the
+data folder, else in ``~/.cache/fedmpi``) and read from there while the shards are
+unchanged; the digest is the dataset's provenance (``source``). Every problem with a
+shard is one line naming the file: not JSON, a key missing, a user listed without data,
+``num_samples`` that disagrees with the data, a sample of the wrong shape, a label out
+of range.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fedmpi.data import shakespeare
+from fedmpi.data.registry import register
+from fedmpi.data.sources import Dataset, _tensor, channel_stats
+from fedmpi.errors import UsageError
+
+KINDS = {"femnist": 62, "shakespeare": shakespeare.VOCAB_SIZE, "celeba": 2}
+CELEBA_SIZE = 84
+CACHE_VERSION = 1
+
+
+def leaf_dir(data_dir) -> Path | None:
+    """The LEAF ``data/`` folder: ``data_dir`` itself, or its ``data/`` child."""
+    if not data_dir:
+        return None
+    root = Path(data_dir).expanduser()
+    for folder in (root, root / "data"):
+        if (folder / "train").is_dir() and (folder / "test").is_dir():
+            return folder
+    return None
+
+
+def load(kind: str, data_dir) -> dict:
+    """The arrays of one LEAF dataset: train_x, train_y, groups, test_x, test_y,
+    test_groups, names (user ids), digest."""
+    folder = leaf_dir(data_dir)
+    if folder is None:
+        raise UsageError(f"dataset 'leaf_{kind}': data_dir {data_dir} is not a LEAF data/ "
+                         f"folder (train/ and test/ of JSON shards, as preprocess.sh writes "
+                         f"them; data_dir may also be their parent)")
+    shards = {split: sorted((folder / split).glob("*.json")) for split in ("train", "test")}
+    for split, files in shards.items():
+        if not files:
+            raise UsageError(f"dataset 'leaf_{kind}': {folder / split} holds no .json shard")
+    digest = _digest(shards["train"] + shards["test"])
+    cache = _cache_path(folder, kind, digest)
+    if cache is not None and cache.is_file():
+        with np.load(cache, allow_pickle=False) as stored:
+            arrays = {k: stored[k] for k in stored.files}
+        arrays["names"] = [str(n) for n in arrays["names"]]
+        return {**arrays, "digest": digest}
+    train = _read(kind, folder, shards["train"])
+    test = _read(kind, folder, shards["test"])
+    names = train["users"]
+    index = {user: i for i, user in enumerate(names)}
+    arrays = {"train_x": train["x"], "train_y": train["y"],
+              "groups": np.repeat(np.arange(len(names), dtype=np.int64), train["sizes"]),
+              "test_x": test["x"], "test_y": test["y"],
+              "test_groups": np.repeat(np.array([index.get(u, -1) for u in test["users"]],
+                                                dtype=np.int64), test["sizes"]),
+              "names": names}
+    _store(cache, arrays)
+    return {**arrays, "digest": digest}
+
+
+def _digest(files: list[Path]) -> str:
+    sha = hashlib.sha256()
+    for path in files:
+        sha.update(f"{path.parent.name}/{path.name}\0".encode())
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                sha.update(block)
+    return sha.hexdigest()
+
+
+def _cache_path(folder: Path, kind: str, digest: str) -> Path | None:
+    name = f"leaf_{kind}-v{CACHE_VERSION}-{digest[:24]}.npz"
+    for where in (folder / ".fedmpi-cache", Path("~/.cache/fedmpi").expanduser()):
+        if (where.is_dir() and os.access(where, os.W_OK)) or \
+                (not where.exists() and os.access(_existing(where), os.W_OK)):
+            return where / name
+    return None
+
+
+def _existing(path: Path) -> Path:
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def _store(cache: Path | None, arrays: dict) -> None:
+    """Write the cache atomically (a rename), so a reader never sees half of it; a
+    cache that cannot be written is skipped (the shards are read again next time)."""
+    if cache is None:
+        return
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        partial = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
+        with open(partial, "wb") as f:
+            np.savez(f, **{k: (np.array(v) if k == "names" else v) for k, v in arrays.items()})
+        os.replace(partial, cache)
+    except OSError:
+        pass
+
+
+def _read(kind: str, folder: Path, files: list[Path]) -> dict:
+    users, sizes, xs, ys = [], [], [], []
+    seen: dict[str, Path] = {}
+    for path in files:
+        shard = _shard(path)
+        for user, count in zip(shard["users"], shard["num_samples"]):
+            if user in seen:
+                raise UsageError(f"LEAF file {path}: user {user!r} is also in {seen[user]}")
+            seen[user] = path
+            data = shard["user_data"].get(user)
+            if not isinstance(data, dict) or "x" not in data or "y" not in data:
+                raise UsageError(f"LEAF file {path}: user {user!r} is listed in users but has "
+                                 f"no x and y in user_data")
+            x, y = data["x"], data["y"]
+            if not isinstance(x, list) or not isinstance(y, list) or len(x) != len(y):
+                raise UsageError(f"LEAF file {path}: user {user!r}: x and y must be lists of "
+                                 f"one length")
+            if len(y) != count:
+                raise UsageError(f"LEAF file {path}: user {user!r} has {len(y)} samples, "
+                                 f"num_samples says {count}")
+            where = f"LEAF file {path}: user {user!r}"
+            xs.append(_inputs(kind, folder, x, where))
+            ys.append(_labels(kind, y, where))
+            users.append(user)
+            sizes.append(len(y))
+    x = np.concatenate(xs) if xs else _inputs(kind, folder, [], "")
+    return {"users": users, "sizes": np.array(sizes, dtype=np.int64), "x": x,
+            "y": np.concatenate(ys) if ys else np.zeros(0, np.int64)}
+
+
+def _shard(path: Path) -> dict:
+    try:
+        with open(path, "rb") as f:
+            shard = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UsageError(f"LEAF file {path} is not valid JSON ({exc}); truncated or "
+                         f"damaged? preprocess.sh writes it again") from None
+    except OSError as exc:
+        raise UsageError(f"LEAF file {path} cannot be read ({exc.strerror})") from None
+    if not isinstance(shard, dict) or not {"users", "num_samples", "user_data"} <= set(shard):
+        raise UsageError(f"LEAF file {path}: not a LEAF shard (it needs users, num_samples "
+                         f"and user_data)")
+    users, counts, data = shard["users"], shard["num_samples"], shard["user_data"]
+    if not isinstance(users, list) or not isinstance(counts, list) or len(users) != len(counts) \
+            or not isinstance(data, dict) or not all(isinstance(u, str) for u in users) \
+            or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts):
+        raise UsageError(f"LEAF file {path}: users (strings) and num_samples (counts) must be "
+                         f"lists of one length, user_data a table")
+    if len(set(users)) != len(users):
+        raise UsageError(f"LEAF file {path}: a user is listed twice in users")
+    return shard
+
+
+def _inputs(kind: str, folder: Path, x: list, where: str) -> np.ndarray:
+    if kind == "femnist":
+        try:
+            pixels = np.asarray(x, dtype=np.float64).reshape(len(x), -1)
+        except (ValueError, TypeError):
+            raise UsageError(f"{where}: each x must be 784 values in [0, 1] (a 28x28 image / "
+                             f"255); rows of other lengths, or not numbers, found") from None
+        if len(x) and (pixels.shape[1] != 784 or not np.isfinite(pixels).all()
+                       or pixels.min() < 0 or pixels.max() > 1):
+            raise UsageError(f"{where}: each x must be 784 values in [0, 1] (a 28x28 image / "
+                             f"255), got {pixels.shape[1]} values in "
+                             f"[{pixels.min():.3g}, {pixels.max():.3g}]")
+        return np.rint(pixels * 255).astype(np.uint8).reshape(len(x), 1, 28, 28)
+    if kind == "shakespeare":
+        if not all(isinstance(s, str) and len(s) == 80 for s in x):
+            raise UsageError(f"{where}: each x must be a string of 80 characters")
+        return np.stack([shakespeare.encode(s) for s in x]) if x else np.zeros((0, 80), np.uint8)
+    return _celeba_images(folder, x, where)
+
+
+def _labels(kind: str, y: list, where: str) -> np.ndarray:
+    if kind == "shakespeare":
+        if not all(isinstance(c, str) and len(c) == 1 for c in y):
+            raise UsageError(f"{where}: each y must be one character (the next one)")
+        return shakespeare.encode("".join(y)).astype(np.int64) if y else np.zeros(0, np.int64)
+    if not all(isinstance(c, int) and not isinstance(c, bool) for c in y):
+        raise UsageError(f"{where}: each y must be an integer label")
+    labels = np.asarray(y, dtype=np.int64)
+    if len(labels) and (labels.min() < 0 or labels.max() >= KINDS[kind]):
+        raise UsageError(f"{where}: label {int(labels.max() if labels.max() >= KINDS[kind] else labels.min())} "
+                         f"is outside 0..{KINDS[kind] - 1}")
+    return labels
+
+
+def _celeba_images(folder: Path, names: list, where: str) -> np.ndarray:
+    from PIL import Image   # deferred: Pillow (torchvision's), for CelebA alone
+
+    images = folder / "raw" / "img_align_celeba"
+    out = np.empty((len(names), 3, CELEBA_SIZE, CELEBA_SIZE), dtype=np.uint8)
+    for i, name in enumerate(names):
+        if not isinstance(name, str) or "/" in name or name in ("", ".", ".."):
+            raise UsageError(f"{where}: x must be image file names in {images}")
+        try:
+            with Image.open(images / name) as img:
+                picture = img.convert("RGB").resize((CELEBA_SIZE, CELEBA_SIZE))
+        except OSError as exc:
+            raise UsageError(f"{where}: image {images / name} cannot be read "
+                             f"({exc.strerror or exc})") from None
+        out[i] = np.asarray(picture, dtype=np.uint8).transpose(2, 0, 1)
+    return out
+
+
+# ---- the registered datasets ------------------------------------------------------------
+
+def _dataset(kind: str, data_dir):
+    """The test samples of users who also train join the training arrays as ``held_out``
+    (each one's local test split under the natural partition; never trained on); all
+    test samples are the global test set."""
+    a = load(kind, data_dir)
+    text = kind == "shakespeare"
+    mean, std = ((0.0,), (1.0,)) if text else channel_stats(_tensor(a["train_x"], np.uint8))
+    own = a["test_groups"] >= 0
+    held = np.concatenate([np.zeros(len(a["train_y"]), bool), np.ones(int(own.sum()), bool)])
+    return Dataset(f"leaf_{kind}", _tensor(np.concatenate([a["train_x"], a["test_x"][own]]), np.uint8),
+                   _tensor(np.concatenate([a["train_y"], a["test_y"][own]]), np.int64),
+                   _tensor(a["test_x"], np.uint8), _tensor(a["test_y"], np.int64), KINDS[kind],
+                   mean, std, f"{leaf_dir(data_dir)} (LEAF shards sha256 {a['digest']})",
+                   modality="text" if text else "image",
+                   groups=_tensor(np.concatenate([a["groups"], a["test_groups"][own]]), np.int64),
+                   group_names=list(a["names"]), test_groups=_tensor(a["test_groups"], np.int64),
+                   held_out=torch.from_numpy(held))
+
+
+_HINT = ("user-supplied: data_dir = LEAF's data/ folder of the dataset after preprocess.sh "
+         "(train/ and test/ JSON shards{})")
+
+
+@register("leaf_femnist", locate=leaf_dir, hint=_HINT.format(""), client_tests=True)
+def load_leaf_femnist(data_dir=None, seed=0):
+    """LEAF FEMNIST: 28x28 handwritten characters of 62 classes, one client per writer."""
+    return _dataset("femnist", data_dir)
+
+
+@register("leaf_shakespeare", modality="text", locate=leaf_dir, hint=_HINT.format(""),
+          client_tests=True)
+def load_leaf_shakespeare(data_dir=None, seed=0):
+    """LEAF Shakespeare: the next character after 80, one client per (play, role)."""
+    return _dataset("shakespeare", data_dir)
+
+
+@register("leaf_celeba", locate=leaf_dir,
+          hint=_HINT.format("; the images in raw/img_align_celeba/"), client_tests=True)
+def load_leaf_celeba(data_dir=None, seed=0):
+    """LEAF CelebA: 84x84 faces, smiling or not, one client per celebrity."""
+    return _dataset("celeba", data_dir)
