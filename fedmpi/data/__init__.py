@@ -10,7 +10,7 @@
 - `augment`: `augment(x_uint8, generator, ...)` / `to_float(...)` for the training loop.
 """
 
-from fedmpi.data import leaf  # registers leaf_femnist, leaf_shakespeare, leaf_celeba
+from fedmpi.data import leaf, tff  # register leaf_femnist, ..., tff_emnist, ...: LEAF and TFF files
 from fedmpi.data.arrays import from_arrays  # registers "arrays" (after the built-ins)
 from fedmpi.data.augment import augment, to_float
 from fedmpi.data.partition import (Partition, class_counts, dirichlet, iid, make_partition,
@@ -21,7 +21,7 @@ from fedmpi.data.registry import (DATASETS, MODALITIES, DatasetSpec, available_d
 from fedmpi.data.sources import Dataset
 
 __all__ = [
-    "DATASETS", "MODALITIES", "Dataset", "DatasetSpec", "Partition", "augment", "leaf",
+    "DATASETS", "MODALITIES", "Dataset", "DatasetSpec", "Partition", "augment", "leaf", "tff",
     "available_datasets", "check_dataset", "check_present", "check_dataset_options", "class_counts",
     "dataset_modality", "dirichlet", "from_arrays", "iid", "load_dataset", "make_partition",
     "natural", "partition_params", "pathological", "quantity", "register", "to_float",

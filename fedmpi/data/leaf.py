@@ -242,19 +242,23 @@ def _celeba_images(folder: Path, names: list, where: str) -> np.ndarray:
 # ---- the registered datasets ------------------------------------------------------------
 
 def _dataset(kind: str, data_dir):
-    """The test samples of users who also train join the training arrays as ``held_out``
-    (each one's local test split under the natural partition; never trained on); all
-    test samples are the global test set."""
     a = load(kind, data_dir)
-    text = kind == "shakespeare"
+    return natural_dataset(f"leaf_{kind}", a, KINDS[kind], kind == "shakespeare",
+                           f"{leaf_dir(data_dir)} (LEAF shards sha256 {a['digest']})")
+
+
+def natural_dataset(name: str, a: dict, num_classes: int, text: bool, source: str) -> Dataset:
+    """A Dataset of natural clients from per-user arrays (train_x, train_y, groups, test_x,
+    test_y, test_groups, names): the test samples of users who also train join the
+    training arrays as ``held_out`` (each one's local test split under the natural
+    partition; never trained on); every test sample is in the global test set."""
     mean, std = ((0.0,), (1.0,)) if text else channel_stats(_tensor(a["train_x"], np.uint8))
     own = a["test_groups"] >= 0
     held = np.concatenate([np.zeros(len(a["train_y"]), bool), np.ones(int(own.sum()), bool)])
-    return Dataset(f"leaf_{kind}", _tensor(np.concatenate([a["train_x"], a["test_x"][own]]), np.uint8),
+    return Dataset(name, _tensor(np.concatenate([a["train_x"], a["test_x"][own]]), np.uint8),
                    _tensor(np.concatenate([a["train_y"], a["test_y"][own]]), np.int64),
-                   _tensor(a["test_x"], np.uint8), _tensor(a["test_y"], np.int64), KINDS[kind],
-                   mean, std, f"{leaf_dir(data_dir)} (LEAF shards sha256 {a['digest']})",
-                   modality="text" if text else "image",
+                   _tensor(a["test_x"], np.uint8), _tensor(a["test_y"], np.int64), num_classes,
+                   mean, std, source, modality="text" if text else "image",
                    groups=_tensor(np.concatenate([a["groups"], a["test_groups"][own]]), np.int64),
                    group_names=list(a["names"]), test_groups=_tensor(a["test_groups"], np.int64),
                    held_out=torch.from_numpy(held))
