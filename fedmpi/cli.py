@@ -283,12 +283,14 @@ def datasets(data_dir, plugins):
     import_plugins(list(plugins))
     data_dir = data_dir or None   # empty is unset, as in a config
     elsewhere = dict(available_datasets(None)) if data_dir else {}  # found without --data-dir
-    for name, where in available_datasets(data_dir):
+    found = available_datasets(data_dir)
+    width = max(14, *(len(name) for name, _ in found))
+    for name, where in found:
         hint = DATASETS[name].hint or f"see {DATASETS[name].load.__module__}"
         status, detail = ("found", where) if where else ("not found", hint)
         if not where and elsewhere.get(name):
             detail = f"not in {data_dir}; without --data-dir: {elsewhere[name]}"
-        click.echo(f"{name:<14} {status:<9}  {detail}")
+        click.echo(f"{name:<{width}} {status:<9}  {detail}")
 
 
 @main.command()
