@@ -164,3 +164,22 @@ def test_under_mpirun_rank_0_alone_tracks(tmp_path):
         acc = run.rounds()["test_acc"]
     history = client.get_metric_history(mlrun.info.run_id, "test_acc")
     assert [m.value for m in history] == [float(v) for v in acc]
+
+
+def test_wandb_offline_run_holds_the_rows(tmp_path, monkeypatch):
+    """W&B's offline run, keyed by the results path, under the results folder; its
+    record file holds every evaluated accuracy (W&B no longer ships a Python reader of
+    its records: the JSON values are looked up in the file)."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    path = tmp_path / "run.h5"
+    values = merged(TINY, tracking={"wandb": True})
+    run_experiment(config.from_dict({**values, "output": str(path)}), LocalComm(), quiet=True)
+    run_id = hashlib.sha1(str(path.absolute()).encode()).hexdigest()[:16]
+    [record] = (tmp_path / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb")
+    data = record.read_bytes()
+    with open_run(path) as run:
+        acc = run.rounds()["test_acc"]
+    assert b"test_acc" in data
+    for value in acc[np.isfinite(acc)]:
+        assert repr(float(value)).encode() in data
