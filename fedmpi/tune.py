@@ -160,7 +160,8 @@ def load(path, *, outdir: str | None = None, overrides=()) -> Study:
     name = string_field(path, values, "name", path.stem, "study")
     if outdir is not None:
         values = dict(values, outdir=outdir)
-    directory = Path(string_field(path, values, "outdir", "runs", "study")).expanduser() / name
+    # absolute: a resumed trial runs from the folder it started in (api.resume_config)
+    directory = Path(string_field(path, values, "outdir", "runs", "study")).expanduser().absolute() / name
     fixed = dotted_table(path, "set", values.get("set", {}), what="study")
     space = _space(path, "space", values.get("space", {}))
     extra = tuple(overrides)

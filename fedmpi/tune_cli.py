@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -89,9 +90,10 @@ def _work(study, max_trials, quiet) -> None:
             break
         method = study.method(claim.method)
         where = f"trial {claim.method}/{claim.number}"
+        back = None   # a resumed trial runs from where it started (its relative data paths)
         try:
             if claim.resume:
-                config, _ = api.resume_config(claim.output, speak=server)
+                config, back = api.resume_config(claim.output, speak=server)
             else:
                 config = study.config(method, claim.params, Path(claim.output))
                 api.prepare(config, force=False)
@@ -114,6 +116,9 @@ def _work(study, max_trials, quiet) -> None:
             if server:
                 worker.fail(study, store, claim, exc)
             raise
+        finally:
+            if back is not None:
+                os.chdir(back)
         if experiment.preempted:
             sys.exit(EXIT_PREEMPTED)
         if server:
