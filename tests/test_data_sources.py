@@ -201,9 +201,10 @@ def test_available_datasets():
 
 
 def test_dataset_modality_matches_the_loaded_data():
-    assert dataset_modality("shakespeare") == dataset_modality("leaf_shakespeare") == "text"
+    text = ("shakespeare", "leaf_shakespeare", "tff_shakespeare")
+    assert {dataset_modality(name) for name in text} == {"text"}
     assert {dataset_modality(name) for name in DATASETS
-            if name not in ("shakespeare", "leaf_shakespeare", "arrays")} == {"image"}  # arrays: its file says
+            if name not in (*text, "arrays")} == {"image"}  # arrays: its file says
     assert load_dataset("synthetic", num_train=4, num_test=2).modality == dataset_modality("synthetic")
     with pytest.raises(UsageError, match="dataset 'imagenet' is unknown"):
         dataset_modality("imagenet")
