@@ -204,7 +204,7 @@ def _resume_config(path, other_arguments):
                          "--preset, --set, -o and --force")
     config, _ = resume_config(path, speak=_launcher_rank() == 0)
     if config is None and _launcher_rank() == 0:
-        click.echo(f"{path}: run already ended (completed, or pruned by its tuning study); "
+        click.echo(f"{path}: run already completed (or pruned by its tuning study); "
                    f"nothing to resume")
     return config
 

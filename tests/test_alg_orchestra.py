@@ -239,7 +239,9 @@ def test_two_steps_by_hand(target):
                 w.sub_(lr * g)
         losses.append(loss.item())
     assert up.steps == 2 and abs(up.loss - np.mean(losses)) < 1e-5
-    assert torch.allclose(x + up.delta, flat_of(online), atol=1e-6)
+    # two float32 SGD steps by two orders of the same sums: 8e-6 apart (of weights up to
+    # 1.08) on a CPU with AVX-512/AMX kernels, 1e-6 on others
+    assert torch.allclose(x + up.delta, flat_of(online), atol=2e-5)
     kept = up.extras["target"] + x[:n] if target == "global" else up.state["target"]
     assert torch.allclose(kept, flat_of(tgt), atol=1e-6)
     local = equal_size_kmeans(torch.cat(memory), 2, p.local_iters,
