@@ -177,7 +177,7 @@ class WandB:
     name = "W&B"
 
     def __init__(self, exp):
-        wandb = _needs("wandb", "wandb")
+        wandb = self.wandb = _needs("wandb", "wandb")
 
         t, path = exp.config.tracking, exp.config.output_path().absolute()
         self.run = wandb.init(mode="offline", dir=str(path.parent),
@@ -190,3 +190,5 @@ class WandB:
 
     def close(self, status: str) -> None:
         self.run.finish(exit_code=0 if status == "FINISHED" else 1)
+        if hasattr(self.wandb, "teardown"):   # W&B's service writes the offline records
+            self.wandb.teardown()             # it holds when it stops, not at finish()
