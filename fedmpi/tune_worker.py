@@ -268,12 +268,15 @@ class Judge:
         target = optuna_study(study, study.method(claim_.method), store)
         self.trial = optuna.trial.Trial(target, claim_.trial_id)
         self.pruning = study.pruner != "none"
+        # a resumed trial's rounds before its checkpoint were reported by its first run
+        self.reported = set(store.get_trial(claim_.trial_id).intermediate_values)
 
     def __call__(self, round_: int, accuracy: float) -> bool:
         if not self.pruning:
             return False
-        if round_ not in self.trial.storage.get_trial(self.trial._trial_id).intermediate_values:
+        if round_ not in self.reported:
             self.trial.report(accuracy, round_)
+            self.reported.add(round_)
         return self.trial.should_prune()
 
 

@@ -215,9 +215,9 @@ def _labels(kind: str, y: list, where: str) -> np.ndarray:
     if not all(isinstance(c, int) and not isinstance(c, bool) for c in y):
         raise UsageError(f"{where}: each y must be an integer label")
     labels = np.asarray(y, dtype=np.int64)
-    if len(labels) and (labels.min() < 0 or labels.max() >= KINDS[kind]):
-        raise UsageError(f"{where}: label {int(labels.max() if labels.max() >= KINDS[kind] else labels.min())} "
-                         f"is outside 0..{KINDS[kind] - 1}")
+    outside = labels[(labels < 0) | (labels >= KINDS[kind])]
+    if len(outside):
+        raise UsageError(f"{where}: label {int(outside[0])} is outside 0..{KINDS[kind] - 1}")
     return labels
 
 

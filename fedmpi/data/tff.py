@@ -24,12 +24,12 @@ unequal lengths: one line naming the file and the client.
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import numpy as np
 
 from fedmpi.data import shakespeare
+from fedmpi.data.array_files import sha256
 from fedmpi.data.leaf import natural_dataset
 from fedmpi.data.registry import register
 from fedmpi.errors import UsageError
@@ -74,15 +74,6 @@ def _read(path: Path, features: tuple[str, ...]) -> tuple[list[str], list[dict]]
             names.append(name)
             clients.append(data)
     return names, clients
-
-
-def _digest(paths) -> str:
-    sha = hashlib.sha256()
-    for path in paths:
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 22), b""):
-                sha.update(block)
-    return sha.hexdigest()
 
 
 def _labels(path: Path, name: str, y, classes: int) -> np.ndarray:
@@ -146,8 +137,8 @@ def load(kind: str, data_dir, classes: int, seq_len: int = 80, stride: int = 8) 
         out[f"{split}_x"], out[f"{split}_y"] = np.concatenate(xs), np.concatenate(ys)
         out["groups" if split == "train" else "test_groups"] = np.concatenate(owners)
     out["names"] = list(index)
-    out["digest"] = _digest(pair)
-    out["source"] = f"{pair[0].parent} ({stem}_*.h5 sha256 {out['digest']})"
+    train, test = (sha256(p) for p in pair)
+    out["source"] = f"{pair[0].parent} ({stem}_*.h5 sha256 train {train}, test {test})"
     return out
 
 
