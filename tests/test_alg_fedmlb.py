@@ -61,7 +61,7 @@ def test_models_without_blocks_declare_none():
     assert models_with_blocks() == ("cnn", "resnet18", "vgg11")
     assert build_model("2nn", 1, 5, 8).blocks() is None
     assert build_model("mlp", 6, 5, 1).blocks() is None
-    assert build_model("lstm", 1, 80, 1).blocks() is None
+    assert build_model("lstm", 80, 80, 1).blocks() is None
 
 
 class Batches(ClientData):

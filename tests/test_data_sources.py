@@ -201,7 +201,8 @@ def test_available_datasets():
 
 
 def test_dataset_modality_matches_the_loaded_data():
-    text = ("shakespeare", "leaf_shakespeare", "tff_shakespeare")
+    text = ("shakespeare", "leaf_shakespeare", "tff_shakespeare", "leaf_sent140",
+            "tff_stackoverflow")
     assert {dataset_modality(name) for name in text} == {"text"}
     assert {dataset_modality(name) for name in DATASETS
             if name not in (*text, "arrays")} == {"image"}  # arrays: its file says

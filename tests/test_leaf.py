@@ -9,9 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import ROOT, fedmpi, needs_mpi
-from fedmpi.data import load_dataset
+from fedmpi.data import load_dataset, words
 from fedmpi.data.shakespeare import encode
 from fedmpi.errors import UsageError
 from fedmpi.results import open_run
@@ -20,7 +21,8 @@ from helpers import TINY, assert_same_on_ranks, run_file
 sys.path.insert(0, str(ROOT / "tools"))
 import leaf_fixtures  # noqa: E402
 
-KINDS = ("femnist", "shakespeare", "celeba")
+KINDS = ("femnist", "shakespeare", "celeba", "sent140")
+TEXT = ("shakespeare", "sent140")
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +39,7 @@ def shards(folder: Path, split: str) -> list[dict]:
 def config(kind, folder, **more):
     return {**TINY, "data": {"dataset": f"leaf_{kind}", "data_dir": str(folder)},
             "partition": {"kind": "natural"}, "clients": {"num": 6, "per_round": 3},
-            "model": {"name": "lstm"} if kind == "shakespeare" else TINY["model"],
+            "model": {"name": "lstm", "hidden": 32} if kind in TEXT else TINY["model"],
             "system": {**TINY["system"], "deterministic": True}, **more}
 
 
@@ -66,6 +68,11 @@ def test_arrays_are_the_shards_users_and_samples(leaf, kind):
         assert ds.train_x.float().mean() > 128
     elif kind == "shakespeare":
         assert np.array_equal(ds.train_x[0].numpy(), encode(first))
+    elif kind == "sent140":   # LEAF's ids of x[4] over the train tweets' 10,000 commonest tokens
+        tweets = [r[4] for s in train for u in s["users"] for r in s["user_data"][u]["x"]]
+        vocab = words.built_vocabulary(tweets, 10000)
+        assert ds.vocab_size == ds.in_channels == len(vocab) + 1 and ds.num_classes == 2
+        assert np.array_equal(ds.train_x[0].numpy(), words.leaf_ids([first[4]], vocab, 25)[0])
     else:
         assert tuple(ds.train_x.shape[1:]) == (3, 84, 84)
     assert f"LEAF shards sha256 " in ds.source
@@ -133,6 +140,64 @@ def _damage(folder: Path, how):
     if how not in ("truncated", "twice"):
         shard.write_text(json.dumps(data))
     return shard
+
+
+def test_leaf_words_ids_and_vocabularies_by_hand():
+    assert words.leaf_tokens("I can't go, ok?! x_1") == ["I", "can't", "go", ",", "ok", "?", "!", "x_1"]
+    assert words.built_vocabulary(["b a a", "c b a", "d"], 2) == ["a", "b"]   # a 3, b 2; c, d 1
+    assert words.built_vocabulary(["d c"], 5) == ["c", "d"]                   # ties by the token
+    assert words.leaf_ids(["b a zz", "a " * 9], ["a", "b"], 4).tolist() == [[1, 0, 2, 2], [0, 0, 0, 0]]
+
+
+def test_sent140_with_leafs_glove_vocabulary_and_its_own_cache(leaf, tmp_path):
+    import shutil
+    folder = tmp_path / "s"
+    shutil.copytree(leaf["sent140"], folder, ignore=shutil.ignore_patterns(".fedmpi-cache"))
+    glove = ["the", "and", ",", "I", "to", "."]
+    (tmp_path / "embs.json").write_text(json.dumps({"vocab": glove, "emba": [[0.5] * 3] * 6}))
+    ds = load_dataset("leaf_sent140", str(folder), vocab_file=str(tmp_path / "embs.json"),
+                      max_words=10)
+    first = shards(folder, "train")[0]
+    tweet = first["user_data"][first["users"][0]]["x"][0][4]
+    assert ds.vocab_size == 7 and ds.train_x.shape[1] == 10
+    assert ds.train_x[0].tolist() == [glove.index(t) if t in glove else 6
+                                      for t in (words.leaf_tokens(tweet) + [""] * 10)[:10]]
+    small = load_dataset("leaf_sent140", str(folder), vocab_size=20)
+    assert small.vocab_size == 21 and int(small.train_x.max()) == 20
+    assert len(list((folder / ".fedmpi-cache").iterdir())) == 2   # one per vocabulary
+    assert torch.equal(load_dataset("leaf_sent140", str(folder), vocab_size=20).train_x, small.train_x)
+
+
+@pytest.mark.parametrize("how, says", [
+    ("row", "each x must be a tweet's row with its text at x[4]"),
+    ("label", "label 2 is outside 0..1"),
+    ("vocab missing", "config field data.vocab_file:"),
+    ("vocab bad", "LEAF's embs.json holds \"vocab\", a list of distinct words"),
+    ("vocab_size", "config field data.vocab_size: an integer in 1.."),
+])
+def test_bad_sent140_input_is_one_line(leaf, tmp_path, how, says):
+    import shutil
+    folder = tmp_path / "s"
+    shutil.copytree(leaf["sent140"], folder, ignore=shutil.ignore_patterns(".fedmpi-cache"))
+    shard = sorted((folder / "train").glob("*.json"))[0]
+    data = json.loads(shard.read_text())
+    user = data["users"][0]
+    options = {}
+    if how == "row":
+        data["user_data"][user]["x"][0] = data["user_data"][user]["x"][0][:4]
+    elif how == "label":
+        data["user_data"][user]["y"][0] = 2
+    elif how == "vocab missing":
+        options["vocab_file"] = str(tmp_path / "no-embs.json")
+    elif how == "vocab bad":
+        (tmp_path / "embs.json").write_text(json.dumps({"emba": []}))
+        options["vocab_file"] = str(tmp_path / "embs.json")
+    else:
+        options["vocab_size"] = 0
+    shard.write_text(json.dumps(data))
+    with pytest.raises(UsageError) as error:
+        load_dataset("leaf_sent140", str(folder), **options)
+    assert says in str(error.value) and "\n" not in str(error.value)
 
 
 @pytest.mark.parametrize("how, says", [

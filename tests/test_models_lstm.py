@@ -17,7 +17,7 @@ VOCAB = 81
 
 def lstm(seed=0, **options):
     torch.manual_seed(seed)
-    return build_model("lstm", 1, VOCAB, 80, **options)
+    return build_model("lstm", VOCAB, VOCAB, 80, **options)
 
 
 def ids(batch=4, length=80, seed=0):
@@ -50,7 +50,8 @@ def test_uint8_ids_give_the_same_output_and_features_are_the_last_step():
 
 
 def test_options_and_projection_head():
-    assert model_options("lstm") == {"embed_dim": 8, "hidden": 256, "layers": 2}
+    assert model_options("lstm") == {"embed_dim": 8, "hidden": 256, "layers": 2, "fc": 0,
+                                     "pad_id": -1}
     model = lstm(embed_dim=4, hidden=32, layers=3, proj_dim=16)
     assert model.lstm.num_layers == 3 and model.embedding.embedding_dim == 4
     features = model.features(ids())
@@ -60,6 +61,44 @@ def test_options_and_projection_head():
         lstm(hidden=0)
     with pytest.raises(UsageError, match="model.dropout is not an option of model 'lstm'"):
         lstm(dropout=0.1)
+
+
+def test_the_word_networks_of_sent140_and_stackoverflow():
+    # TFF StackOverflow (Reddi et al. 2021): Embedding(10,004, 96), LSTM(670), Dense(96),
+    # Dense(10,004): 4,050,748 parameters in Keras, whose LSTM keeps one bias set (+4 x 670)
+    torch.manual_seed(0)
+    so = build_model("lstm", 10004, 10004, 20, embed_dim=96, hidden=670, layers=1, fc=96, pad_id=0)
+    assert sum(p.numel() for p in so.parameters()) == 4_050_748 + 4 * 670
+    assert so.classifier.in_features == 96 and so.features(torch.zeros(2, 20, dtype=torch.long)).shape == (2, 96)
+    # LEAF Sent140: two LSTM layers of 100 over the vocabulary, a linear 30, two classes;
+    # the vocabulary (in_channels) and the classes differ
+    sent = build_model("lstm", 10001, 2, 25, embed_dim=300, hidden=100, layers=2, fc=30)
+    assert sent.embedding.weight.shape == (10001, 300) and sent(torch.zeros(3, 25, dtype=torch.long)).shape == (3, 2)
+    assert [n for n, _ in sent.named_parameters()][-4:] == ["fc.weight", "fc.bias", "classifier.weight",
+                                                            "classifier.bias"]
+    # fc = 0 and pad_id = -1 are today's network: the same parameters drawn in the same order
+    assert all(torch.equal(a, b) for a, b in zip(lstm(seed=3).parameters(),
+                                                 lstm(seed=3, fc=0, pad_id=-1).parameters()))
+    with pytest.raises(UsageError, match="model.pad_id must be a token id >= 0, or -1"):
+        lstm(pad_id=-2)
+
+
+def test_a_right_padded_window_is_read_after_its_last_token():
+    """pad_id: each row's features are what its unpadded prefix alone gives (causality)."""
+    model = lstm(seed=1, pad_id=0)
+    x = torch.randint(1, VOCAB, (4, 12), generator=torch.Generator().manual_seed(2))
+    lengths = [1, 5, 11, 12]
+    padded = x.clone()
+    for row, n in enumerate(lengths):
+        padded[row, n:] = 0
+    features = model.features(padded)
+    plain = lstm(seed=1)   # the same weights, read after the last position
+    for row, n in enumerate(lengths):
+        torch.testing.assert_close(features[row], plain.features(x[row:row + 1, :n])[0],
+                                   rtol=1e-6, atol=1e-6)
+    assert not torch.equal(features[1], plain.features(padded[1:2])[0])   # not the last position
+    only_pads = model.features(torch.zeros(1, 12, dtype=torch.long))
+    torch.testing.assert_close(only_pads, plain.features(torch.zeros(1, 1, dtype=torch.long)))
 
 
 def test_modality_checks_are_one_line_usage_errors():

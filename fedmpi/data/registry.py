@@ -303,13 +303,19 @@ def check_dataset(ds, name: str, modality: str | None = None):
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 2 <= n <= MAX_CLASSES:
         fail(f"num_classes={n!r} must be an integer in [2, {MAX_CLASSES}]")
     check_arrays(where, arrays, ds.modality, label=FIELDS.get, num_classes=n)
-    if ds.modality == "text":  # the LSTM embeds ids in a table of num_classes rows
+    v = ds.vocab_size
+    if v is not None and (ds.modality != "text" or isinstance(v, bool) or not isinstance(
+            v, (int, np.integer)) or not 2 <= v <= MAX_CLASSES):
+        fail(f"vocab_size={v!r}: text data's vocabulary, an integer in [2, {MAX_CLASSES}] "
+             f"(None elsewhere)")
+    if ds.modality == "text":  # the LSTM embeds ids in a table of vocab_size rows
         for key in ("x_train", "x_test"):
             low, high = arrays[key].min(), arrays[key].max()
-            if low < 0 or high >= n:
+            if low < 0 or high >= (v or n):
                 fail(f"{FIELDS[key]} holds token id {low if low < 0 else high}; ids are 0 .. "
-                     f"num_classes - 1 = {n - 1} (the lstm embeds ids and predicts over one "
-                     f"vocabulary)")
+                     + (f"vocab_size - 1 = {v - 1}" if v else
+                        f"num_classes - 1 = {n - 1} (the lstm embeds ids and predicts over "
+                        f"one vocabulary; a Dataset.vocab_size sets another)"))
     _check_statistics(fail, ds)
     if ds.group_names is not None:
         if ds.groups is None:

@@ -66,12 +66,17 @@ class Dataset:
     held_out: torch.Tensor | None = None  # bool [N]: train samples that are a natural
     # client's own test samples (LEAF's per-user split): never trained on; under
     # partition.kind = "natural" they are each client's local test split
+    vocab_size: int | None = None  # text whose ids are not its classes (Sent140's words,
+    # two classes): ids are 0 .. vocab_size - 1; None = num_classes (one vocabulary)
 
     @property
     def in_channels(self) -> int:
-        """What `build_model` receives as in_channels: image channels; 1 for text (one id
-        per position); the number of features F for tabular data."""
-        return 1 if self.modality == "text" else self.train_x.shape[1]
+        """What `build_model` receives as in_channels: image channels; for text the
+        vocabulary size (the LSTM's embedding rows); the number of features F for tabular
+        data."""
+        if self.modality == "text":
+            return self.vocab_size or self.num_classes
+        return self.train_x.shape[1]
 
     @property
     def image_size(self) -> int:
@@ -86,6 +91,8 @@ class Dataset:
         bytes, the number of classes and the modality. The results file records it
         (``dataset_sha256``) and a resume refuses data that changed since."""
         digest = hashlib.sha256(f"{self.modality} {self.num_classes}".encode())
+        if self.vocab_size is not None:
+            digest.update(f" vocab {self.vocab_size}".encode())
         for name in ("train_x", "train_y", "test_x", "test_y", "groups"):
             a = getattr(self, name)
             if a is None:

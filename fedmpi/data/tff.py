@@ -10,6 +10,7 @@ the natural clients' order), each with one dataset per feature:
 | tff_emnist | ``fed_emnist_{train,test}.h5`` (62 classes); with ``only_digits = true`` ``fed_emnist_digitsonly_{train,test}.h5`` (10) | ``pixels`` float32 [n, 28, 28] in [0, 1], 1.0 the background (stored as uint8 round(255 x), not inverted); ``label`` [n] |
 | tff_cifar100 | ``fed_cifar100_{train,test}.h5`` | ``image`` uint8 [n, 32, 32, 3]; ``label`` [n], the 100 fine classes |
 | tff_shakespeare | ``shakespeare_{train,test}.h5`` | ``snippets`` [n] byte strings, a client's lines |
+| tff_stackoverflow | ``stackoverflow_{train,test}.h5`` and ``stackoverflow.word_count`` | ``tokens`` [n] byte strings, a post's words joined by spaces (``title``, ``tags`` and the others are not read; nor is ``stackoverflow_held_out.h5``) |
 
 The files' own split is kept: each client's test examples are its local test split under
 ``partition.kind = "natural"`` (CIFAR-100's 100 test clients are others than its 500
@@ -17,25 +18,38 @@ train clients, though their ids "0".."99" repeat train ids: they are the global 
 only). Shakespeare's snippets are joined per
 client (a space between two) and cut into windows of ``seq_len`` characters and the one
 that follows, every ``stride`` characters, as the ``shakespeare`` dataset does (LEAF's
-80-letter ids). The files' sha256 is the dataset's provenance. A file of another task
+80-letter ids). StackOverflow's posts become TFF's next-word task (fedmpi.data.words):
+the first ``max_words`` (20) words of a post as ids of the ``vocab_size`` (10,000) most
+frequent words, between a beginning and an end id, and each of its positions a sample: the
+ids before it (right-padded with 0) and the id at it, which the lstm with ``pad_id = 0``
+predicts exactly as TFF's masked sequence model does (10,004 ids and classes).
+``max_clients = N`` reads the first N train clients only (h5py reads those groups and
+nothing else) and only their test examples: the full file's 342,477 clients and 135
+million posts, as windows, do not fit a node's memory. The files' sha256 (and the word
+counts') is the dataset's provenance. A file of another task
 (a feature missing), a label out of range, a client without examples or features of
 unequal lengths: one line naming the file and the client.
 """
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import numpy as np
 
-from fedmpi.data import shakespeare
+from fedmpi.data import shakespeare, words
 from fedmpi.data.array_files import sha256
 from fedmpi.data.leaf import natural_dataset
 from fedmpi.data.registry import register
 from fedmpi.errors import UsageError
 
 FILES = {"emnist": "fed_emnist", "emnist_digits": "fed_emnist_digitsonly",
-         "cifar100": "fed_cifar100", "shakespeare": "shakespeare"}
+         "cifar100": "fed_cifar100", "shakespeare": "shakespeare",
+         "stackoverflow": "stackoverflow"}
+FEATURES = {"cifar100": ("image", "label"), "shakespeare": ("snippets",),
+            "stackoverflow": ("tokens",)}
+WORD_COUNTS = "stackoverflow.word_count"
 
 
 def files(data_dir, stem: str) -> tuple[Path, Path] | None:
@@ -46,7 +60,10 @@ def files(data_dir, stem: str) -> tuple[Path, Path] | None:
     return pair if all(p.is_file() for p in pair) else None
 
 
-def _read(path: Path, features: tuple[str, ...]) -> tuple[list[str], list[dict]]:
+def _read(path: Path, features: tuple[str, ...], limit: int = 0,
+          only: dict | None = None) -> tuple[list[str], list[dict]]:
+    """Each client's features: the first ``limit`` clients (0: all), or those named in
+    ``only``; the others' groups are never read."""
     import h5py   # deferred: h5py with the data module's other readers, at load time only
 
     try:
@@ -59,7 +76,8 @@ def _read(path: Path, features: tuple[str, ...]) -> tuple[list[str], list[dict]]
             raise UsageError(f"TFF file {path}: no examples/ group (TFF's client data files "
                              f"hold examples/<client>/<feature>)")
         names, clients = [], []
-        for name in examples:
+        chosen = examples if only is None else [n for n in only if n in examples]
+        for name in itertools.islice(chosen, limit or None):
             group = examples[name]
             missing = [f for f in features if f not in group]
             if missing:
@@ -110,42 +128,69 @@ def _windows(path: Path, name: str, snippets, seq_len: int, stride: int):
     return x, ids[starts + seq_len].astype(np.int64)
 
 
-def load(kind: str, data_dir, classes: int, seq_len: int = 80, stride: int = 8) -> dict:
+def _posts(path: Path, name: str, tokens, index: dict, max_words: int):
+    xs, ys = [], []
+    for post in tokens:
+        try:
+            text = post.decode("utf-8") if isinstance(post, bytes) else str(post)
+        except UnicodeDecodeError:
+            raise UsageError(f"TFF file {path}: client {name!r}: tokens are not UTF-8 "
+                             f"text") from None
+        x, y = words.next_word_windows(words.tff_post_ids(text, index, max_words), max_words)
+        xs.append(x)
+        ys.append(y)
+    return np.concatenate(xs), np.concatenate(ys)
+
+
+def load(kind: str, data_dir, classes: int, seq_len: int = 80, stride: int = 8,
+         vocab_size: int = 10000, max_words: int = 20, max_clients: int = 0) -> dict:
     stem = FILES[kind]
     pair = files(data_dir, stem)
     if pair is None:
         raise UsageError(f"dataset 'tff_{kind.split('_')[0]}': data_dir {data_dir} has no "
                          f"{stem}_train.h5 and {stem}_test.h5 (TensorFlow Federated's files)")
-    features = {"cifar100": ("image", "label"), "shakespeare": ("snippets",)}.get(
-        kind, ("pixels", "label"))
-    out, index = {}, {}
+    features = FEATURES.get(kind, ("pixels", "label"))
+    provenance = [f"{stem}_*.h5 sha256 train {sha256(pair[0])}, test {sha256(pair[1])}"]
+    if kind == "stackoverflow":
+        counts = pair[0].parent / WORD_COUNTS
+        if not counts.is_file():
+            raise UsageError(f"dataset 'tff_stackoverflow': data_dir {pair[0].parent} has no "
+                             f"{WORD_COUNTS} (TFF's word counts, stackoverflow.word_count."
+                             f"tar.bz2 unpacked beside the .h5 files)")
+        index = {w: i for i, w in enumerate(words.tff_vocabulary(counts, vocab_size))}
+        provenance.append(f"{WORD_COUNTS} sha256 {sha256(counts)}")
+    out, index_of = {}, {}
     for split, path in zip(("train", "test"), pair):
-        names, clients = _read(path, features)
+        names, clients = _read(path, features, max_clients if split == "train" else 0,
+                               index_of if split == "test" and max_clients else None)
         xs, ys, owners = [], [], []
         for name, data in zip(names, clients):
             if kind == "shakespeare":
                 x, y = _windows(path, name, data["snippets"], seq_len, stride)
+            elif kind == "stackoverflow":
+                x, y = _posts(path, name, data["tokens"], index, max_words)
             else:
                 x, y = _images(kind, path, name, data), _labels(path, name, data["label"], classes)
             if split == "train" and len(y):
-                index[name] = len(index)
+                index_of[name] = len(index_of)
             xs.append(x)
             ys.append(y)
             # CIFAR-100's test clients reuse the train ids "0".."99" for other people
             same = split == "train" or kind != "cifar100"
-            owners.append(np.full(len(y), index.get(name, -1) if same else -1, dtype=np.int64))
+            owners.append(np.full(len(y), index_of.get(name, -1) if same else -1, dtype=np.int64))
+        if kind == "stackoverflow":
+            xs = [x.astype(words.id_dtype(classes)) for x in xs]
         out[f"{split}_x"], out[f"{split}_y"] = np.concatenate(xs), np.concatenate(ys)
         out["groups" if split == "train" else "test_groups"] = np.concatenate(owners)
-    out["names"] = list(index)
-    train, test = (sha256(p) for p in pair)
-    out["source"] = f"{pair[0].parent} ({stem}_*.h5 sha256 train {train}, test {test})"
+    out["names"] = list(index_of)
+    out["source"] = f"{pair[0].parent} ({'; '.join(provenance)})"
     return out
 
 
 def _dataset(name: str, kind: str, data_dir, classes: int, **options):
     a = load(kind, data_dir, classes, **options)
     return natural_dataset(name, a, classes if kind != "shakespeare" else shakespeare.VOCAB_SIZE,
-                           kind == "shakespeare", a["source"])
+                           kind in ("shakespeare", "stackoverflow"), a["source"])
 
 
 def _locate(stem: str):
@@ -179,3 +224,19 @@ def load_tff_shakespeare(data_dir=None, seed=0, seq_len=80, stride=8):
             and 1 <= stride <= 1000):
         raise UsageError("config fields data.seq_len and data.stride: integers in 1..1000")
     return _dataset("tff_shakespeare", "shakespeare", data_dir, 0, seq_len=seq_len, stride=stride)
+
+
+@register("tff_stackoverflow", modality="text", locate=_locate("stackoverflow"),
+          client_tests=True, hint=_HINT.format("stackoverflow", "stackoverflow")
+          + " and stackoverflow.word_count")
+def load_tff_stackoverflow(data_dir=None, seed=0, vocab_size=10000, max_words=20,
+                           max_clients=0):
+    """TFF's StackOverflow: next-word prediction, one client per user (342,477)."""
+    for field, value, low, high in (("vocab_size", vocab_size, 1, 2 ** 20 - 4),
+                                    ("max_words", max_words, 1, 1000),
+                                    ("max_clients", max_clients, 0, 2 ** 31)):
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise UsageError(f"config field data.{field}: an integer in {low}..{high}"
+                             + (" (0: every client)" if field == "max_clients" else ""))
+    return _dataset("tff_stackoverflow", "stackoverflow", data_dir, vocab_size + 4,
+                    vocab_size=vocab_size, max_words=max_words, max_clients=max_clients)

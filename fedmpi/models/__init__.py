@@ -81,6 +81,12 @@ def divisor_of_all(widths: tuple[int, ...]) -> Check:
     return check
 
 
+def pad_id(field: str, value: Any) -> int:
+    if not _is_int(value) or value < -1:
+        raise UsageError(f"{field} must be a token id >= 0, or -1 for no padding, got {value!r}")
+    return value
+
+
 def probability(field: str, value: Any) -> float:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < 1:
         raise UsageError(f"{field} must be a number in [0, 1), got {value!r}")
@@ -94,6 +100,9 @@ class Option:
     default: Any
     check: Check
     help: str
+    # Written out only when given, as COMMON_OPTIONS are: an option added to a model after
+    # results files of it existed, so that their configs resolve (and resume) as before.
+    when_given: bool = False
 
 
 @dataclass(frozen=True)
@@ -132,10 +141,17 @@ MODELS: dict[str, ModelSpec] = {
         "num_groups": Option(2, divisor_of_all(WIDTHS), "GroupNorm groups when norm = 'group'"),
         "dropout": Option(0.5, probability, "dropout before the two hidden linears (NIID-Bench)"),
     }),
-    "lstm": ModelSpec(CharLSTM, "LEAF/FedAvg Shakespeare character LSTM (0.82M params)", {
-        "embed_dim": Option(8, positive_int, "character embedding size"),
+    "lstm": ModelSpec(CharLSTM, "LEAF/FedAvg Shakespeare character LSTM (0.82M params); with "
+                                "its options LEAF's Sent140 and TFF's StackOverflow networks", {
+        "embed_dim": Option(8, positive_int, "token embedding size"),
         "hidden": Option(256, positive_int, "units of each LSTM layer"),
         "layers": Option(2, positive_int, "stacked LSTM layers"),
+        "fc": Option(0, non_negative_int, "a linear layer of this width between the LSTM and "
+                     "the classifier (LEAF Sent140: 30; TFF StackOverflow: 96); 0 = none",
+                     when_given=True),
+        "pad_id": Option(-1, pad_id, "inputs right-padded with this id are read after their "
+                         "last other id (TFF StackOverflow: 0); -1 = after the last position",
+                         when_given=True),
     }, modality="text"),
     "2nn": ModelSpec(TwoNN, "McMahan et al. 2017 2NN: flattened image, 2 hidden layers of 200, "
                             "ReLU (199,210 params on 28x28x1)", {
@@ -198,7 +214,8 @@ def _resolve(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
         raise UsageError(f"model.{unknown[0]} is not an option of model {name!r}"
                          f"{did_you_mean(unknown[0], known)}; allowed: {allowed}")
     resolved = {key: option.check(f"model.{key}", options.get(key, option.default))
-                for key, option in spec.options.items()}
+                for key, option in spec.options.items()
+                if key in options or not option.when_given}
     # Common options are written out only when given: a config without them resolves
     # (and is recorded) exactly as before they existed.
     resolved.update({key: option.check(f"model.{key}", options[key])
