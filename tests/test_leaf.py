@@ -171,6 +171,7 @@ def test_sent140_with_leafs_glove_vocabulary_and_its_own_cache(leaf, tmp_path):
 @pytest.mark.parametrize("how, says", [
     ("row", "each x must be a tweet's row with its text at x[4]"),
     ("label", "label 2 is outside 0..1"),
+    ("word label", "each y must be an integer label"),
     ("vocab missing", "config field data.vocab_file:"),
     ("vocab bad", "LEAF's embs.json holds \"vocab\", a list of distinct words"),
     ("vocab_size", "config field data.vocab_size: an integer in 1.."),
@@ -187,6 +188,8 @@ def test_bad_sent140_input_is_one_line(leaf, tmp_path, how, says):
         data["user_data"][user]["x"][0] = data["user_data"][user]["x"][0][:4]
     elif how == "label":
         data["user_data"][user]["y"][0] = 2
+    elif how == "word label":
+        data["user_data"][user]["y"][0] = "positive"
     elif how == "vocab missing":
         options["vocab_file"] = str(tmp_path / "no-embs.json")
     elif how == "vocab bad":

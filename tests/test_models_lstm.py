@@ -10,7 +10,7 @@ from fedmpi.data import shakespeare
 from fedmpi.data.sources import load_dataset
 from fedmpi.errors import UsageError
 from fedmpi.flat import FlatModel
-from fedmpi.models import MODELS, build_model, check_model_for_data, model_options
+from fedmpi.models import MODELS, build_model, check_model_for_data, check_options, model_options
 
 VOCAB = 81
 
@@ -81,6 +81,10 @@ def test_the_word_networks_of_sent140_and_stackoverflow():
                                                  lstm(seed=3, fc=0, pad_id=-1).parameters()))
     with pytest.raises(UsageError, match="model.pad_id must be a token id >= 0, or -1"):
         lstm(pad_id=-2)
+    # fc and pad_id are written into a results file's config only when given: a file of
+    # the lstm from before they existed resolves (and resumes) as it was written
+    assert check_options("lstm", {}) == {"embed_dim": 8, "hidden": 256, "layers": 2}
+    assert check_options("lstm", {"fc": 30})["fc"] == 30
 
 
 def test_a_right_padded_window_is_read_after_its_last_token():

@@ -123,6 +123,7 @@ def test_stackoverflow_max_clients_reads_the_first_clients_and_their_test_posts(
     ("few counts", "data.vocab_size asks for"),
     ("vocab_size", "config field data.vocab_size: an integer in 1.."),
     ("other task", "has no tokens (features: label, pixels)"),
+    ("bytes", "tokens are not UTF-8 text"),
 ])
 def test_bad_stackoverflow_input_is_one_line(tff, tmp_path, how, says):
     folder = tmp_path / "so"
@@ -137,6 +138,13 @@ def test_bad_stackoverflow_input_is_one_line(tff, tmp_path, how, says):
         options["vocab_size"] = 100000
     elif how == "vocab_size":
         options["vocab_size"] = 0
+    elif how == "bytes":
+        with h5py.File(folder / "stackoverflow_train.h5", "r+") as h5:
+            group = h5["examples"][sorted(h5["examples"])[0]]
+            del group["tokens"]
+            group.create_dataset("tokens", data=np.array([b"\xff\xfe the"], dtype="S6"))
+            for key in [k for k in group if k != "tokens"]:
+                del group[key]
     else:
         shutil.copy(tff["emnist"] / "fed_emnist_train.h5", folder / "stackoverflow_train.h5")
     with pytest.raises(UsageError) as error:
