@@ -12,7 +12,7 @@ from fedmpi import config
 from fedmpi.comm import LocalComm
 from fedmpi.errors import UsageError
 from fedmpi.runtime import run_experiment
-from fedmpi.runtime.state import ClientStateStore
+from fedmpi.runtime.state import ClientStateStore, pack, pieces, unpack
 
 from helpers import TINY, merged
 
@@ -196,3 +196,22 @@ def test_a_run_whose_states_all_spill_is_bitwise_the_in_memory_run(tmp_path):
     assert len(list((tmp_path / "spill").glob("*/*.bin"))) == 6
     with RunFile(c.output_path()) as a, RunFile(c2.output_path()) as b:
         assert np.array_equal(a.model(), b.model())
+
+
+def test_states_travel_as_one_flat_buffer_and_come_back_bit_for_bit():
+    """What the runtime sends between ranks instead of pickles: pack/pieces out, unpack in."""
+    states = {7: state(7), 2: state(2), 30: state(30)}
+    ids, flat = pack(states, SIZES)
+    assert ids.tolist() == [7, 2, 30] and flat.dtype == np.float32 and flat.size == 3 * 6
+    back = unpack(flat, ids, SIZES)
+    assert list(back) == [7, 2, 30]
+    for c in states:
+        assert_same(back[c], states[c])
+        assert np.shares_memory(back[c]["c_i"], flat)     # views, not copies
+    assert np.array_equal(np.concatenate(pieces(states.values(), SIZES)), flat)
+    empty_ids, empty = pack({}, SIZES)
+    assert empty_ids.size == empty.size == 0 and unpack(empty, [], SIZES) == {}
+    with pytest.raises(ValueError, match="client 2 state c_i: 4 values, declared 5"):
+        pack({2: {"c_i": np.zeros(4), "flag": np.zeros(1)}}, SIZES)
+    with pytest.raises(ValueError, match="18 values received, 12 expected"):
+        unpack(flat, [7, 2], SIZES)

@@ -32,6 +32,7 @@ from .compression import Compression
 from .plan import groups, place
 from .records import Timers, Traffic
 from .stages import ClientStage, Encode, state_sizes
+from .state import pack, pieces, unpack
 
 # the payload's names for what server stages send the client stages (``receive``)
 STAGE = "stage/"
@@ -334,13 +335,19 @@ class Phases:
 
     # ---- client state: kept on the server's host, shipped to whoever trains the client --
     def scatter_states(self, assignment) -> dict:
+        """Each worker's clients' states from the server's store, as flat buffers (the
+        store's arrays sent as they are, received into one array a worker)."""
         if not self.state_sizes:
             return {}
-        parts = None
+        if self.comm.size == 1:
+            return {c: self.store.get(c) for c in assignment[0].tolist()}
+        parts = [[] for _ in range(self.comm.size)]
         if self.comm.is_server:
-            per_worker = [{c: self.store.get(c) for c in a.tolist()} for a in assignment]
-            parts = per_worker if self.comm.size == 1 else [{}] + per_worker
-        return self.comm.scatter_obj(parts)   # host arrays: device_states moves them
+            for w, a in enumerate(assignment):
+                parts[w + 1] = pieces((self.store.get(c) for c in a.tolist()), self.state_sizes)
+        got = self.comm.alltoallv(parts)[0]   # host arrays: device_states moves them
+        return unpack(got, assignment[self.comm.worker_index].tolist(), self.state_sizes) \
+            if self.comm.is_worker else {}
 
     def device_states(self, clients: list[int], states: dict):
         """(client, its state on the device) in training order. Only one client's state
@@ -377,13 +384,20 @@ class Phases:
             yield c, current
 
     def gather_states(self, new_states) -> None:
+        """The workers' new states into the store, in rank then training order, as flat
+        buffers (ids, then the states back to back)."""
         if not self.state_sizes:
             return
-        parts = self.comm.gather_obj(new_states)
-        if self.comm.is_server:
-            for part in parts:
-                for c, s in part.items():
-                    self.store.put(c, s)
+        if self.comm.size == 1:
+            parts = [new_states]
+        else:
+            ids, flat = pack(new_states, self.state_sizes)
+            clients, values = self.comm.gatherv(ids), self.comm.gatherv(flat)
+            parts = [] if not self.comm.is_server else \
+                [unpack(v, c, self.state_sizes) for c, v in zip(clients, values)]
+        for part in parts:
+            for c, s in part.items():
+                self.store.put(c, s)
 
 
 def round_context(config, t, phase, participants) -> algorithms.RoundContext:
