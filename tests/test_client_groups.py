@@ -136,8 +136,9 @@ def test_every_method_with_a_local_sgd_update_trains_in_groups():
     """Every method whose client runs the shared local SGD step has a group form; the
     ones that train something else (self-supervised heads, MOON's models, FedMIM's
     inertia, FedMRUR's regulariser, FNR-FL's refinement) are refused, not served wrongly."""
-    assert GROUPED == ["fedacg", "fedadam", "fedavg", "fedavgm", "fedcm", "feddyn", "fedexp",
-                       "fednova", "fedprox", "fedsam", "mofedsam", "scaffold"]
+    assert GROUPED == ["fedacg", "fedadam", "fedavg", "fedavgm", "fedbn", "fedcm", "feddyn",
+                       "fedexp", "fednova", "fedper", "fedprox", "fedsam", "lg_fedavg",
+                       "mofedsam", "scaffold"]
 
 
 @pytest.mark.parametrize("model", ["cnn", "cnn-same", "cnn-vmap", "2nn"])
@@ -511,6 +512,35 @@ def test_a_grouped_run_follows_the_sequential_run(tmp_path):
         assert grouped.config["system"]["client_group"] == 3
 
 
+@pytest.mark.parametrize("name", ["fedper", "lg_fedavg", "fedbn"])
+def test_private_layers_train_in_groups_each_client_from_its_own_model(tmp_path, name):
+    """FedPer's heads, LG-FedAvg's bodies and FedBN's GroupNorm layers stay with the
+    clients; in a group each row starts from its client's merged model: the shared model,
+    every client's personal scores and the traffic of one client after another, up to
+    rounding (3 rounds, so clients come back to their private layers)."""
+    over = dict(rounds=3, algorithm={"name": name}, eval={"every": 1, "clients": "all"},
+                partition={**TINY["partition"], "local_test": 0.2})
+    if name == "fedbn":
+        over["model"] = {**TINY["model"], "norm": "group"}
+    one = run_tiny(tmp_path, "one", system={"threads": 1}, **over)
+    grouped = run_tiny(tmp_path, "grouped", system={"threads": 1, "client_group": 3}, **over)
+    with one, grouped:
+        assert grouped.attrs["client_group"] == 3
+        np.testing.assert_allclose(grouped.model(), one.model(), rtol=1e-4, atol=1e-5)
+        a, b = one.clients(), grouped.clients()
+        for column in ("client", "steps", "n_samples", "bytes_up", "bytes_down"):
+            assert np.array_equal(a[column], b[column])
+        ea, eb = one.client_eval(), grouped.client_eval()
+        np.testing.assert_allclose(eb["loss"], ea["loss"], rtol=1e-3, atol=1e-4)
+        assert np.abs(eb["accuracy"] - ea["accuracy"]).max() <= 0.1   # argmax ties may flip one sample
+    none = run_tiny(tmp_path, "none", system={"threads": 1, "client_group": 3},
+                    **{**over, "algorithm": {"name": "fedper", "private": []}})
+    fedavg = run_tiny(tmp_path, "fedavg", system={"threads": 1, "client_group": 3},
+                      **{**over, "algorithm": {"name": "fedavg"}})
+    with none, fedavg:   # no private layers: FedAvg's groups, bit for bit
+        assert np.array_equal(none.model(), fedavg.model())
+
+
 @pytest.mark.parametrize("model", GROUP_FORMS)
 def test_a_grouped_run_that_diverges_stops_as_a_sequential_one_does(tmp_path, model):
     """NaN/Inf from a group (the CNN's and the 2NN's hand-written gradients, vmap's)
@@ -520,6 +550,24 @@ def test_a_grouped_run_that_diverges_stops_as_a_sequential_one_does(tmp_path, mo
                   system={"threads": 1, "client_group": 3}) as run:
         assert run.status == "failed" and run.attrs["failed_round"] == 1
         assert run.attrs["client_group"] == 3 and "diverged at round 1" in run.attrs["error"]
+
+
+@pytest.mark.slow
+@needs_mpi
+def test_grouped_private_layers_are_bitwise_the_same_for_1_and_3_ranks(tmp_path):
+    """FedPer in groups of 2: each client's head from the store, through flat buffers,
+    into its row; 1 process and 3 ranks write the same model and personal scores."""
+    values = merged(TINY, algorithm={"name": "fedper"}, eval={"every": 1, "clients": "all"},
+                    partition={"local_test": 0.2},
+                    system={"deterministic": True, "client_group": 2}, rounds=3)
+    config = write_config(tmp_path / "p.toml", base=values)
+    runs = []
+    for out in run_on_ranks(config, (1, 3), tmp_path).values():
+        with RunFile(out) as run:
+            runs.append((run.model(), run.client_eval()))
+    assert np.array_equal(runs[0][0], runs[1][0])
+    for column in ("accuracy", "loss"):
+        assert np.array_equal(runs[0][1][column], runs[1][1][column])
 
 
 @pytest.mark.slow

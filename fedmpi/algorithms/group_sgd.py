@@ -302,7 +302,8 @@ def train(tasks: list[ClientTask], start: torch.Tensor, ctx: RoundContext,
 def local_update(tasks: list[ClientTask], x: torch.Tensor, ctx: RoundContext,
                  correction: GroupCorrection | None = None,
                  gradient: GroupGradient | None = None) -> list[Upload]:
-    """The group form of ``local_sgd.local_update``: every client from x, Delta_i = x_K - x."""
+    """The group form of ``local_sgd.local_update``: every client from x ([d], or [G, d]:
+    a start of its own, a personalised method's merged model), Delta_i = x_K - x_i."""
     rows, losses, steps = train(tasks, x, ctx, correction, gradient)
-    return [Upload(delta=rows[i] - x, num_samples=t.data.num_samples, loss=losses[i],
-                   steps=steps[i]) for i, t in enumerate(tasks)]
+    return [Upload(delta=rows[i] - (x if x.dim() == 1 else x[i]), num_samples=t.data.num_samples,
+                   loss=losses[i], steps=steps[i]) for i, t in enumerate(tasks)]

@@ -65,11 +65,9 @@ def span(flat, names: list[str]) -> tuple[int, int]:
 class PrivateLayers(FedAvg):
     """FedAvg's server and local update, with the layers ``private_layers`` names kept on
     each client (fedmpi.runtime.partial): only the others travel, and per-client
-    evaluation scores each client's own. Client groups are refused: a group shares one
-    starting model, these clients do not."""
+    evaluation scores each client's own. In a client group each client starts from its
+    own merged model (a row of the group's start); a method that changes the local
+    update (FedRep's alternation, FedBABU's frozen head) has no group form of it and is
+    refused (``Algorithm.trains_in_groups``)."""
 
     personalised = True
-
-    @classmethod
-    def trains_in_groups(cls) -> bool:
-        return False

@@ -256,8 +256,7 @@ class Phases:
                     mine_ctx = replace(self.context(version, ctx.phase, ctx.participants), round=key)
                     mine_payload = {k.split("/", 1)[1]: v for k, v in payload.items()
                                     if k.startswith(f"{version}/")}
-                for stage in self.stages:   # the private layers' merge
-                    mine_payload = stage.prepare(mine_payload, states.get(c))
+                mine_payload = self.prepare(mine_payload, states.get(c))   # private layers
                 task = self.make_task(c, mine_ctx, p)
                 upload = self.alg.local_update(task, mine_payload, state, mine_ctx)
                 if after_client is not None:   # sees the client's local model before it is reloaded
@@ -284,10 +283,23 @@ class Phases:
                              {k: torch.from_numpy(v).to(self.device) for k, v in states[c].items()
                               if k in self.alg_states}
                              for c in clients]
-            uploads = self.alg.local_update_group(tasks, payload, client_states, ctx)
+            group_payload = payload
+            if self.personalised:   # private layers: each client starts from its own model
+                group_payload = {**payload, "x": torch.stack(
+                    [self.prepare(payload, states.get(c))["x"] for c in clients])}
+            uploads = self.alg.local_update_group(tasks, group_payload, client_states, ctx)
             seconds = (time.perf_counter() - t0) / len(clients)
             for c, upload in zip(clients, uploads):
+                if self.personalised:   # the stages split what this client trained from
+                    self.prepare(payload, states.get(c))
                 fold(c, upload, seconds)
+
+    def prepare(self, payload: dict, state) -> dict:
+        """``payload`` through every stage's prepare for a client of ``state`` (the
+        private layers' merge)."""
+        for stage in self.stages:
+            payload = stage.prepare(payload, state)
+        return payload
 
     def client_row(self, c, upload, seconds, phase: str) -> np.ndarray:
         """The ROW values, then the fields the algorithm gathers in this phase."""
