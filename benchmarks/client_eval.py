@@ -9,7 +9,9 @@ scores; client groups on ("auto"), as a cross-device run has them. Three runs of
 - ``global``: the global test set only (``eval.clients = "none"``);
 - ``clients``: and every client on its local test split (``eval.clients = "all"``);
 - ``finetune``: and each client again after fine-tuning one epoch
-  (``eval.client_finetune_epochs = 1``).
+  (``eval.client_finetune_epochs = 1``), one client after another;
+- ``ft_groups``: the same fine-tuning in client groups of ``--finetune-group``
+  (``eval.client_finetune_group``).
 
 Prints the median seconds of a round's training (``time_compute``) and of its evaluation
 (``time_eval``) per run, and what scoring (and fine-tuning) every client adds to the
@@ -35,7 +37,8 @@ from fedmpi.results import RunFile
 from fedmpi.runtime import run_experiment
 
 RUNS = {"global": {"clients": "none"}, "clients": {"clients": "all"},
-        "finetune": {"clients": "all", "client_finetune_epochs": 1}}
+        "finetune": {"clients": "all", "client_finetune_epochs": 1},
+        "ft_groups": {"clients": "all", "client_finetune_epochs": 1}}
 
 
 def workload(model: str, rounds: int, evaluation: dict) -> dict:
@@ -60,7 +63,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="2nn")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--finetune-group", type=int, default=100)
     args = parser.parse_args()
+    RUNS["ft_groups"]["client_finetune_group"] = args.finetune_group
     print(f"W2 with local test splits (0.2): Fashion-MNIST, 1000 clients Dir(0.3), all 1000 "
           f"a round, B = 10, E = 1, {args.model}, client groups auto; medians over "
           f"{args.rounds} rounds")
@@ -74,9 +79,11 @@ def main() -> None:
     train = times["global"][0]
     scoring = times["clients"][1] - times["global"][1]
     tuning = times["finetune"][1] - times["clients"][1]
+    grouped = times["ft_groups"][1] - times["clients"][1]
     print(f"  scoring every client adds {scoring:.3f} s = {scoring / train:.2f}x a training "
           f"round of the same clients; fine-tuning one epoch each adds {tuning:.3f} s = "
-          f"{tuning / train:.2f}x")
+          f"{tuning / train:.2f}x one after another, {grouped:.3f} s = {grouped / train:.2f}x "
+          f"in groups of {args.finetune_group}")
 
 
 if __name__ == "__main__":

@@ -134,9 +134,29 @@ def test_fine_tuning_moves_the_scores_and_leaves_the_training_alone(tmp_path):
         assert np.isfinite(tuned.rounds()["personal_acc_mean"]).all()
 
 
+def test_fine_tuning_in_groups_follows_one_client_after_another(tmp_path):
+    """eval.client_finetune_group = 4: every client's fine-tuned scores as one after
+    another up to float rounding (each row from its own start, over its own batches); the
+    global scores and the training untouched, bit for bit."""
+    one = merged(TUNED, rounds=2)
+    grouped = merged(one, eval={**one["eval"], "client_finetune_group": 4})
+    with run_file(tmp_path, "one", one) as a, run_file(tmp_path, "grouped", grouped) as b:
+        assert np.array_equal(a.model(), b.model())
+        ta, tb = a.client_eval(), b.client_eval()
+        for name in ("client", "accuracy", "loss", "n_test"):
+            assert np.array_equal(ta[name], tb[name]), name
+        np.testing.assert_allclose(tb["personal_loss"], ta["personal_loss"], rtol=1e-4)
+        assert np.abs(tb["personal_accuracy"] - ta["personal_accuracy"]).max() <= 0.1
+        assert not np.array_equal(ta["personal_loss"], ta["loss"])   # it did fine-tune
+    vgg = merged(grouped)
+    vgg["model"] = {"name": "vgg11"}
+    with pytest.raises(UsageError, match="eval.client_finetune_group: model 'vgg11' has dropout"):
+        cfg.from_dict(vgg)
+
+
 def test_round_0_scores_do_not_depend_on_the_client_group(tmp_path):
     """The initial model's per-client scores (nothing trained yet) with clients trained one
-    after another and in groups of 4: bit for bit."""
+    after another and in groups of 4: bit for bit (fine-tuning one after another in both)."""
     rows = []
     for group in (1, 4):
         values = merged(TUNED, rounds=1, system={**TINY["system"], "client_group": group})
@@ -179,6 +199,16 @@ def test_held_out_clients_never_train_and_give_the_two_gaps(tmp_path):
 
 @pytest.mark.slow
 @needs_mpi
+def test_fine_tuning_groups_are_bitwise_the_same_for_1_and_3_ranks(tmp_path):
+    """Fine-tuning groups are cut from all evaluated clients and placed whole."""
+    values = merged(TUNED, system=DETERMINISTIC,
+                    eval={**TUNED["eval"], "client_finetune_group": 3})
+    assert_same_on_3_ranks(tmp_path, values, ["personal_acc_mean", "personal_loss"],
+                           client_eval=True)
+
+
+@pytest.mark.slow
+@needs_mpi
 def test_per_client_scores_are_bitwise_the_same_for_1_and_3_ranks(tmp_path):
     assert_same_on_3_ranks(tmp_path, merged(TUNED, system=DETERMINISTIC),
                            ["client_acc_mean", "client_acc_worst10", "personal_acc_mean",
@@ -210,6 +240,10 @@ def test_a_resumed_run_has_the_same_client_rows(tmp_path):
      "eval.client_finetune_epochs: must be an integer >= 0"),
     ({"eval": {"clients": "none", "client_finetune_epochs": 2}},
      "eval.client_finetune_epochs: fine-tunes the evaluated clients; needs eval.clients"),
+    ({"eval": {**TUNED["eval"], "client_finetune_group": 0}},
+     "eval.client_finetune_group: must be an integer in [1, 4096] (1: one client after another)"),
+    ({"eval": {**SPLIT["eval"], "client_finetune_group": 4}},
+     "eval.client_finetune_group: groups the fine-tuning; needs eval.client_finetune_epochs > 0"),
     ({"clients": {**TINY["clients"], "holdout": 1.0}}, "clients.holdout: must be a fraction in [0, 1)"),
     ({"clients": {**TINY["clients"], "holdout": 0.7}},
      "clients.holdout: holds out 8 of clients.num = 12, fewer than clients.per_round = 5 left"),
@@ -237,3 +271,15 @@ def test_a_refusal_is_one_line_exit_2_and_no_file(tmp_path):
     assert proc.returncode == 2 and not out.exists()
     assert proc.stderr.strip().splitlines() == [
         'fedmpi: config field eval.clients: must be from 1 to clients.num = 12 (or "all"), got 99']
+
+
+def test_fine_tuning_groups_refuse_batchnorm_statistics_before_the_file(tmp_path):
+    out = tmp_path / "run.h5"
+    values = merged(TUNED, model={**TINY["model"], "norm": "batch"},
+                    eval={**TUNED["eval"], "client_finetune_group": 4})
+    proc = fedmpi(["run", str(write_config(tmp_path / "bn.toml", values, output=str(out))), "-q"])
+    assert proc.returncode == 2 and not out.exists()
+    assert proc.stderr.strip().splitlines() == [
+        "fedmpi: config field eval.client_finetune_group: the model has float buffers "
+        "(BatchNorm statistics), which a client group cannot carry per client; set 1 (one "
+        "client after another)"]

@@ -152,6 +152,10 @@ class EvalConfig:
                                        # model this many epochs on its local training data (plain
                                        # SGD at train.lr, train.batch_size) and is scored again:
                                        # personal_* (FedAvg-FT); 0 = none
+    client_finetune_group: int = 1     # fine-tune in client groups of this size (cut from all
+                                       # evaluated clients by step count, placed whole: the
+                                       # same bits on any number of ranks; up to float rounding
+                                       # against 1, one client after another)
 
 
 @dataclass

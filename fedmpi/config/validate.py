@@ -22,7 +22,7 @@ from .validate_privacy import validate_privacy
 from .validate_robust import validate_robust, validate_tracking
 from .validate_system import validate_system_model
 from .vocab import (ASYNC_MODES, DOWN_CODECS, EMPTY_ROUNDS, FEEDBACK, FINETUNE_HEADS,
-                    LOCAL_OPTIMIZERS, LOCAL_SCHEDULES, PRECISIONS, PROBES, ROUND_SCHEDULES,
+                    GROUP_MAX, LOCAL_OPTIMIZERS, LOCAL_SCHEDULES, PRECISIONS, PROBES, ROUND_SCHEDULES,
                     SAMPLING, UP_CODECS)
 
 # deferred imports: fedmpi.algorithms imports this package (a cycle at load time), and it,
@@ -163,7 +163,6 @@ def _validate_optimizer_method(c: ExperimentConfig) -> None:
                                                  f"{which}: {alg.local_sgd_only}; use \"sgd\"")
 
 
-GROUP_MAX = 4096   # clients in one lock-step group; each holds a model copy in memory
 
 
 def _validate_client_group(c: ExperimentConfig) -> None:

@@ -7,7 +7,7 @@ import math
 
 from .coerce import INT_MAX, field_error
 from .schema import ExperimentConfig
-from .vocab import ASYNC_MODES
+from .vocab import ASYNC_MODES, GROUP_MAX
 
 
 def validate_personal(c: ExperimentConfig) -> None:
@@ -45,6 +45,19 @@ def validate_personal(c: ExperimentConfig) -> None:
     if isinstance(ft, bool) or not isinstance(ft, int) or not 0 <= ft <= INT_MAX:
         raise field_error("eval.client_finetune_epochs", f"must be an integer >= 0 (0: no "
                                                          f"fine-tuning), got {ft!r}")
+    fg = e.client_finetune_group
+    if isinstance(fg, bool) or not isinstance(fg, int) or not 1 <= fg <= GROUP_MAX:
+        raise field_error("eval.client_finetune_group", f"must be an integer in [1, {GROUP_MAX}] "
+                                                        f"(1: one client after another), got {fg!r}")
+    if fg > 1:
+        if not ft:
+            raise field_error("eval.client_finetune_group", "groups the fine-tuning; needs "
+                                                            "eval.client_finetune_epochs > 0")
+        from .. import models   # deferred: the models import the config's errors only late
+        problem = models.group_problem(c.model.name, c.model.options)
+        if problem:
+            raise field_error("eval.client_finetune_group", f"{problem}; set 1 (one client "
+                                                            f"after another)")
     if clients == "none":
         if h:
             raise field_error("clients.holdout", 'held-out clients are only evaluated; needs '

@@ -34,3 +34,5 @@ AVAILABILITY = ("always", "bernoulli", "markov", "diurnal", "trace")
 PRIVACY_MECHANISMS = ("off", "central", "local", "sample")
 PRIVACY_LOCAL_NOISES = ("gaussian", "laplace")
 PRIVACY_ACCOUNTANTS = ("auto", "pld", "rdp")
+
+GROUP_MAX = 4096   # clients in one lock-step group; each holds a model copy in memory

@@ -14,7 +14,10 @@ chunk j on worker j mod W (a sample's loss does not depend on which worker score
 chunk), summed per client on the server in sample order: the same bits for any number of
 ranks. Fine-tuning is per client (client k of the list on worker k mod W), from the
 stream keyed by (seed, round, client, "finetune"), plain SGD at ``train.lr`` and
-``train.batch_size``; each worker's model is restored afterwards.
+``train.batch_size``, one client after another or, with ``eval.client_finetune_group``
+= G > 1, in groups of G cut from all evaluated clients and placed whole (the same bits on
+any number of ranks; up to float rounding against one after another); each worker's
+model is restored afterwards.
 
 Held-out clients (``clients.holdout``: slots never sampled for training) are scored the
 same way, apart: holdout_* summaries (and holdout_personal_* after fine-tuning), the
@@ -34,13 +37,16 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..algorithms import ClientTask, group_sgd
 from ..algorithms.local_sgd import sgd_step
 from ..results.schema import CLIENT_EVAL_FIELDS, PERSONAL_EVAL_FIELDS
+from .phase import round_context
 from .rng import numpy_rng, torch_generator
 
 STATS = ("mean", "weighted", "std", "p10", "p50", "p90", "worst10")
@@ -154,20 +160,36 @@ class ClientTest:
         rows = []
         if comm.is_worker:
             start = flat.params.detach().clone()
-            for k in range(comm.worker_index, len(ids), comm.num_workers):
+            group = cfg.eval.client_finetune_group if self.finetune else 1
+            units = [[k] for k in range(len(ids))] if group == 1 else \
+                _finetune_units([len(self.split.client(int(c))) for c in ids], group)
+            mine = units[comm.worker_index::comm.num_workers]
+
+            def personal(k):
                 c = int(ids[k])
-                flat.load(start if c not in states else exp.phases.personal(
+                return start if c not in states else exp.phases.personal(
                     {n: torch.from_numpy(v).to(start.device) for n, v in states[c].items()},
-                    start))
-                if self.finetune:
-                    train = data.client(self.split.client(c), cfg.seed, round_, c, 0,
-                                        stream="finetune")
-                    _sgd(flat, train.batches(self.finetune, cfg.train.batch_size),
-                         cfg.train.lr, exp.autocast)
+                    start)
+
+            def finetuning(k):
+                c = int(ids[k])
+                return data.client(self.split.client(c), cfg.seed, round_, c, 0, stream="finetune")
+
+            def score(k):
+                c = int(ids[k])
                 tests = self.split.test_client(c)
                 scored = _score_samples(exp, tests, 0, 1, self.skewed and self.skewed.union(
                     exp, "test", [c], [tests]))
                 rows.append((k, scored[:, 1].sum(), scored[:, 2].sum()))
+
+            if group > 1:
+                _finetune_groups(exp, mine, personal, finetuning, score, self.finetune, round_)
+            for [k] in mine if group == 1 else ():
+                flat.load(personal(k))
+                if self.finetune:
+                    _sgd(flat, finetuning(k).batches(self.finetune, cfg.train.batch_size),
+                         cfg.train.lr, exp.autocast)
+                score(k)
             flat.load(start)
         parts = comm.gatherv(np.asarray(rows, dtype=np.float64).reshape(-1))
         if not comm.is_server:
@@ -294,3 +316,31 @@ def _sgd(flat, batches, lr: float, autocast=None) -> None:
             loss = F.cross_entropy(module(x).float(), y)
         loss.backward()
         sgd_step(params, flat.grads, lr, 0.0, 0.0)
+
+
+def _finetune_units(sizes: list[int], group: int) -> list[list[int]]:
+    """The fine-tuning groups of ``eval.client_finetune_group``: positions of the evaluated
+    clients by non-increasing local training size (so non-increasing steps; ties by
+    position), cut into runs of ``group``. Group j is worker j mod W's: cut from all
+    evaluated clients and placed whole, a group computes the same bits on any layout."""
+    order = sorted(range(len(sizes)), key=lambda k: (-sizes[k], k))
+    return [order[g:g + group] for g in range(0, len(order), group)]
+
+
+def _finetune_groups(exp, units: list[list[int]], personal, finetuning, score, epochs: int,
+                     round_: int) -> None:
+    """Fine-tuning in client groups: each row from its client's own start
+    (``personal``), plain SGD at ``train.lr`` for ``epochs`` over the same batches as one
+    client after another (fedmpi.algorithms.group_sgd), each row then loaded and scored;
+    the same scores as one client after another up to float rounding."""
+    cfg, flat = exp.config, exp.flat
+    ctx = replace(round_context(cfg, round_, "train", ()), lr=cfg.train.lr, weight_decay=0.0,
+                  grad_clip=0.0, momentum=0.0, nesterov=False, local_epochs=epochs,
+                  local_schedule="constant", local_warmup=0, optimizer="sgd")
+    for unit in units:
+        tasks = [ClientTask(int(k), finetuning(k), flat, exp.device, autocast=exp.autocast)
+                 for k in unit]
+        rows, _, _ = group_sgd.train(tasks, torch.stack([personal(k) for k in unit]), ctx)
+        for i, k in enumerate(unit):
+            flat.load(rows[i])
+            score(k)

@@ -24,6 +24,10 @@ def client_group(cfg, comm, flat, d: int, device: torch.device, autocast) -> int
     memory budget of the workers' devices)."""
     setting = cfg.system.client_group
     buffers = flat.size != flat.num_params
+    if buffers and cfg.eval.client_finetune_group > 1:
+        raise UsageError("config field eval.client_finetune_group: the model has float buffers "
+                         "(BatchNorm statistics), which a client group cannot carry per "
+                         "client; set 1 (one client after another)")
     if setting == "auto" and (buffers or group_refusal(cfg)):
         return 1
     if setting != 1 and buffers:
