@@ -227,7 +227,7 @@ def test_text_ids_train_the_lstm(tmp_path):
                  y_test=y[300:])
     ds = load_dataset("arrays", path=str(file))
     assert ds.modality == "text" and ds.num_classes == 12 and ds.train_x.dtype == torch.uint8
-    assert (ds.in_channels, ds.image_size) == (1, 8)
+    assert (ds.in_channels, ds.image_size) == (12, 8)   # in_channels: the vocabulary (one table)
     values = {"name": "text", "rounds": 2, "data": {"dataset": "arrays", "path": str(file)},
               "partition": {"kind": "iid"}, "clients": {"num": 4, "per_round": 2},
               "model": {"name": "lstm", "embed_dim": 4, "hidden": 16, "layers": 1},
@@ -469,7 +469,7 @@ def test_plugin_dataset_is_listed_checked_and_runs(tmp_path, monkeypatch, regist
     result = CliRunner().invoke(main, ["datasets", "--plugin", "blobs_plugin"])
     assert result.exit_code == 0, result.output
     assert [line for line in result.output.splitlines() if line.startswith("blobs ")] == \
-        ["blobs            found      made from the seed"]   # the column fits tff_shakespeare
+        ["blobs              found      made from the seed"]   # the column fits tff_stackoverflow
     assert dataset_modality("blobs") == "tabular"
     values = {"name": "blobs", "rounds": 1, "plugins": ["blobs_plugin"],
               "data": {"dataset": "blobs", "per_class": 30}, "model": {"name": "mlp"},

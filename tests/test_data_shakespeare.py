@@ -64,7 +64,7 @@ def test_tensors_groups_and_names(ds):
     assert ds.train_x.dtype == ds.test_x.dtype == torch.uint8
     assert ds.train_y.dtype == ds.test_y.dtype == ds.groups.dtype == torch.int64
     assert ds.train_x.shape == (len(ds.train_y), 80) and ds.test_x.shape == (len(ds.test_y), 80)
-    assert (ds.in_channels, ds.image_size) == (1, 80)
+    assert (ds.in_channels, ds.image_size) == (81, 80)   # in_channels: the vocabulary
     assert int(ds.train_x.max()) < 81 and int(ds.train_y.max()) < 81
     assert 300_000 < len(ds.train_y) < 600_000 and len(ds.test_y) > 50_000
     assert ds.groups.shape == ds.train_y.shape and bool((ds.groups.diff() >= 0).all())
