@@ -469,7 +469,7 @@ def test_plugin_dataset_is_listed_checked_and_runs(tmp_path, monkeypatch, regist
     result = CliRunner().invoke(main, ["datasets", "--plugin", "blobs_plugin"])
     assert result.exit_code == 0, result.output
     assert [line for line in result.output.splitlines() if line.startswith("blobs ")] == \
-        ["blobs              found      made from the seed"]   # the column fits tff_stackoverflow
+        ["blobs             found      made from the seed"]   # the column fits tff_stackoverflow
     assert dataset_modality("blobs") == "tabular"
     values = {"name": "blobs", "rounds": 1, "plugins": ["blobs_plugin"],
               "data": {"dataset": "blobs", "per_class": 30}, "model": {"name": "mlp"},
