@@ -20,7 +20,7 @@ from fedmpi.results import RunFile
 from fedmpi.runtime import run_experiment
 
 from conftest import fedmpi, mpirun, needs_mpi
-from helpers import TINY, merged, run_and_resume, write_config
+from helpers import TINY, merged, run_and_resume, run_file, write_config
 
 
 def test_every_guess_right_without_delta_is_randomised_response_s_bound():
@@ -156,3 +156,23 @@ def test_more_canaries_than_coordinates_is_one_line_exit_2_and_no_file(tmp_path)
     line, = proc.stderr.strip().splitlines()
     assert line.startswith("fedmpi: config field privacy.audit_canaries: each canary has a "
                            "coordinate of its own; at most the model's ")
+
+
+@pytest.mark.parametrize("name", ["lg_fedavg", "fedper"])
+def test_the_audit_with_private_layers_places_its_canaries_among_the_shared_ones(tmp_path, name):
+    """Only the shared coordinates are released, so the canaries are among them and are
+    scored there: without noise the audit finds them, whether the shared part is the head
+    after a private body (LG-FedAvg: 330 coordinates for 300 canaries) or the body before
+    a private head (FedPer); a FedPer without private layers is FedAvg's audit, bit for bit."""
+    canaries = {**AUDITED["privacy"], "noise_multiplier": 0.0, "audit_canaries": 300}
+    values = merged(AUDITED, rounds=4, algorithm={"name": name}, privacy=canaries)
+    with run_file(tmp_path, name, values) as run:
+        last = {k: v[-1] for k, v in run.rounds().items()}
+        assert run.attrs["shared_params"] < run.attrs["num_params"]
+    assert last["audit_correct"] >= 0.95 * last["audit_guesses"] and last["audit_epsilon"] > 2
+    plain = merged(values, algorithm={"name": "fedavg"})
+    none = merged(values, algorithm={"name": "fedper", "private": []})
+    with run_file(tmp_path, "fedavg", plain) as a, run_file(tmp_path, "none", none) as b:
+        assert np.array_equal(a.model(), b.model())
+        for column in ("audit_epsilon", "audit_correct", "audit_guesses"):
+            assert np.array_equal(a.rounds()[column], b.rounds()[column], equal_nan=True)

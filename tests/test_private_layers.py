@@ -197,11 +197,6 @@ def test_a_resumed_fedper_run_has_the_same_private_values(tmp_path):
      "system.client_group: algorithm 'fedrep' has no group form"),
     ({"algorithm": {"name": "fedbabu"}, "system": {**TINY["system"], "client_group": 2}},
      "system.client_group: algorithm 'fedbabu' has no group form"),
-    ({"algorithm": {"name": "lg_fedavg"}, "clients": {"num": 12, "per_round": 10,
-                                                      "sampling": "bernoulli"},
-      "privacy": {"mechanism": "central", "clip": 1.0, "noise_multiplier": 1.0,
-                  "audit_canaries": 10}},
-     "privacy.audit_canaries: algorithm 'lg_fedavg' keeps private layers"),
 ])
 def test_what_the_methods_cannot_take_is_refused_at_config_time(over, message):
     with pytest.raises(UsageError, match=re.escape(message)):

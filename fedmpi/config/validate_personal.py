@@ -33,7 +33,6 @@ def validate_personal(c: ExperimentConfig) -> None:
         raise field_error("clients.holdout", "asynchronous rounds draw from the whole "
                                              "population; held-out clients need a "
                                              "synchronous system_model.policy")
-    _refuse_private_layers(c)
     clients = e.clients
     if isinstance(clients, bool) or not (clients in ("none", "all") or isinstance(clients, int)):
         raise field_error("eval.clients", f'must be "none", "all" or a number of clients, got '
@@ -84,17 +83,3 @@ def held_out(c: ExperimentConfig) -> int:
     """H: the slots ``clients.holdout`` keeps out of training (at least 1 when on)."""
     h = c.clients.holdout
     return max(1, round(h * c.clients.num)) if h else 0
-
-
-def _refuse_private_layers(c: ExperimentConfig) -> None:
-    """What a method with private layers (fedmpi.runtime.partial) does not run with yet."""
-    from ..algorithms import REGISTRY   # deferred: the algorithms import the config
-    from ..algorithms.base import keeps_private_layers   # deferred: likewise
-    method = REGISTRY.get(c.algorithm.name)
-    if method is None or not keeps_private_layers(method):
-        return
-    if c.privacy.audit_canaries:
-        raise field_error("privacy.audit_canaries", f"algorithm {c.algorithm.name!r} keeps "
-                                                    f"private layers on each client; the "
-                                                    f"audit's canaries are not placed among the "
-                                                    f"shared coordinates yet; set 0")

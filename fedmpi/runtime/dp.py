@@ -216,16 +216,21 @@ class Canaries(ServerStage):
     never interfere, and adding or scoring one costs O(1)). They send and receive nothing: the ledger
     counts the real clients only. Membership, presence, coordinates and signs come from
     keyed streams, so a resume and any rank count give the same canaries; x_0 is the
-    initial model, which every start builds the same."""
+    initial model, which every start builds the same. With private layers the sums hold
+    the d shared coordinates only (what travels): the canaries are among them, and
+    ``shared`` takes the same coordinates of a full model (the global model's private
+    part is not released)."""
     round_fields = ["audit_epsilon", "audit_guesses", "audit_correct"]
 
-    def __init__(self, config, d: int, x0: torch.Tensor):
+    def __init__(self, config, d: int, x0: torch.Tensor, shared=None):
         self.config, self.m = config, config.privacy.audit_canaries
         if self.m > d:
             raise field_error("privacy.audit_canaries", f"each canary has a coordinate of its "
                                                         f"own; at most the model's {d} "
+                                                        f"{'shared ' if shared else ''}"
                                                         f"parameters, got {self.m}")
-        self.x0 = x0.detach().to("cpu", torch.float64, copy=True)
+        self.shared = shared or (lambda v: v)
+        self.x0 = self.shared(x0.detach()).to("cpu", torch.float64, copy=True)
         self.q = privacy.sampling_rate(config)
         seed = config.seed
         draw = torch.rand(self.m, generator=torch_generator(seed, "dp-audit-member"),
@@ -250,7 +255,8 @@ class Canaries(ServerStage):
     def after(self, state, sums, gathered, ctx, p):
         if ctx.round + 1 != self.config.rounds:
             return {}
-        moved = state["x"].detach().cpu().double()[self.coordinate] - self.x0[self.coordinate]
+        moved = self.shared(state["x"].detach()).cpu().double()[self.coordinate] - \
+            self.x0[self.coordinate]
         scores = (moved * self.sign).numpy()
         return audit.audit(scores, self.included, privacy.delta_of(self.config))
 
@@ -306,16 +312,17 @@ def client_stages(config) -> list[ClientStage]:
     return [ClipUpdate(p.clip, bool(p.clip_quantile))] if p.mechanism == "central" else []
 
 
-def server_stages(config, d: int, x0: torch.Tensor, sizes=()) -> list[ServerStage]:
-    """The private server stages in order (``x0``: the initial model, for the audit).
-    Built on every rank, so a refusal is every rank's; only the server runs them."""
+def server_stages(config, d: int, x0: torch.Tensor, sizes=(), shared=None) -> list[ServerStage]:
+    """The private server stages in order (``x0``: the initial model, for the audit;
+    ``shared``: a full model's d shared coordinates, with private layers). Built on every
+    rank, so a refusal is every rank's; only the server runs them."""
     if config.privacy.mechanism == "local":
         return [Accounting(config)]
     if config.privacy.mechanism == "sample":
         return [SampleAccounting(config, smallest_client(sizes))]
     if config.privacy.mechanism != "central":
         return []
-    canaries = [Canaries(config, d, x0)] if config.privacy.audit_canaries else []
+    canaries = [Canaries(config, d, x0, shared)] if config.privacy.audit_canaries else []
     return canaries + [CentralNoise(config, d)]
 
 

@@ -113,7 +113,8 @@ class Experiment:
                              deterministic=cfg.system.deterministic, group=self.group,
                              codecs=self.codecs, stages=client_stages(cfg, self.codecs, private),
                              server_stages=server_stages(cfg, self.wire, self.flat.params,
-                                                         self.sizes), config=cfg,
+                                                         self.sizes, private and private.mask.shared),
+                             config=cfg,
                              make_root=self.root_task if len(self.root) else None)
         measured = measure_step_time(self, partial(round_context, cfg)) \
             if cfg.system_model.profiles != "off" and cfg.system_model.measure_step_time \
