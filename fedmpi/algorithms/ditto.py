@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import local_sgd
+from . import group_sgd, local_sgd
 from .base import register
 from .fedavg import FedAvg
 from .fedprox import proximal
@@ -53,6 +53,19 @@ class Ditto(FedAvg):
         upload.state = {"v": task.model.params.detach().clone(),
                         "started": torch.ones(1, device=x.device)}
         return upload
+
+    def local_update_group(self, tasks, payload, client_states, ctx):
+        """The group form: FedAvg's group from x, then every row's personal model from its
+        v_i (x where not started) over the same batches with the same pull."""
+        x = payload["x"]
+        uploads = group_sgd.local_update(tasks, x, ctx)   # deltas: new tensors, kept
+        starts = torch.stack([s["v"] if bool(s["started"][0]) else x   # host sync: once a client
+                              for s in client_states])
+        lam = self.params.lam
+        rows, _, _ = group_sgd.train(tasks, starts, ctx, proximal(lam, x) if lam else None)
+        for upload, row in zip(uploads, rows):
+            upload.state = {"v": row.clone(), "started": torch.ones(1, device=x.device)}
+        return uploads
 
     def personal_params(self, client_state, x):
         started = bool(client_state["started"][0])   # host sync: once a client, at evaluation

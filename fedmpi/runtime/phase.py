@@ -284,13 +284,14 @@ class Phases:
                               if k in self.alg_states}
                              for c in clients]
             group_payload = payload
-            if self.personalised:   # private layers: each client starts from its own model
+            merged = any(s.personalised for s in self.stages)   # private layers
+            if merged:   # each client starts from its own merged model
                 group_payload = {**payload, "x": torch.stack(
                     [self.prepare(payload, states.get(c))["x"] for c in clients])}
             uploads = self.alg.local_update_group(tasks, group_payload, client_states, ctx)
             seconds = (time.perf_counter() - t0) / len(clients)
             for c, upload in zip(clients, uploads):
-                if self.personalised:   # the stages split what this client trained from
+                if merged:   # the stages split what this client trained from
                     self.prepare(payload, states.get(c))
                 fold(c, upload, seconds)
 
