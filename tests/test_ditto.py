@@ -65,8 +65,9 @@ def test_a_resumed_ditto_run_has_the_same_personal_scores(tmp_path):
 
 @pytest.mark.parametrize("over, message", [
     ({"algorithm": {"name": "ditto", "lam": -1.0}}, "algorithm.lam: must be >= 0, got -1.0"),
-    ({"algorithm": {"name": "ditto"}, "system": {**TINY["system"], "client_group": 2}},
-     "system.client_group: algorithm 'ditto' has no group form of its local update yet"),
+    ({"algorithm": {"name": "ditto"}, "system": {**TINY["system"], "client_group": 2},
+      "train": {**TINY["train"], "optimizer": "adam"}},
+     "system.client_group: train.optimizer 'adam' has no group form"),
 ])
 def test_what_ditto_cannot_take_is_refused(over, message):
     import re
