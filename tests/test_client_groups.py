@@ -136,7 +136,7 @@ def test_every_method_with_a_local_sgd_update_trains_in_groups():
     """Every method whose client runs the shared local SGD step has a group form; the
     ones that train something else (self-supervised heads, MOON's models, FedMIM's
     inertia, FedMRUR's regulariser, FNR-FL's refinement) are refused, not served wrongly."""
-    assert GROUPED == ["ditto", "fedacg", "fedadam", "fedavg", "fedavgm", "fedbn", "fedcm",
+    assert GROUPED == ["apfl", "ditto", "fedacg", "fedadam", "fedavg", "fedavgm", "fedbn", "fedcm",
                        "feddyn", "fedexp", "fednova", "fedper", "fedprox", "fedsam", "lg_fedavg",
                        "mofedsam", "scaffold"]
 
@@ -512,11 +512,12 @@ def test_a_grouped_run_follows_the_sequential_run(tmp_path):
         assert grouped.config["system"]["client_group"] == 3
 
 
-@pytest.mark.parametrize("name", ["fedper", "lg_fedavg", "fedbn", "ditto"])
+@pytest.mark.parametrize("name", ["fedper", "lg_fedavg", "fedbn", "ditto", "apfl"])
 def test_private_layers_train_in_groups_each_client_from_its_own_model(tmp_path, name):
     """FedPer's heads, LG-FedAvg's bodies and FedBN's GroupNorm layers stay with the
-    clients, as Ditto's personal models do; in a group each row starts from its client's
-    own model (Ditto: the personal rows after the global ones): the shared model,
+    clients, as Ditto's and APFL's personal models do; in a group each row starts from its
+    client's own model (Ditto: the personal rows after the global ones; APFL: v and alpha
+    stepped at each row's w in a gradient hook): the shared model,
     every client's personal scores and the traffic of one client after another, up to
     rounding (3 rounds, so clients come back to their private layers)."""
     over = dict(rounds=3, algorithm={"name": name}, eval={"every": 1, "clients": "all"},
@@ -555,9 +556,9 @@ def test_a_grouped_run_that_diverges_stops_as_a_sequential_one_does(tmp_path, mo
 
 @pytest.mark.slow
 @needs_mpi
-@pytest.mark.parametrize("name", ["fedper", "ditto"])
+@pytest.mark.parametrize("name", ["fedper", "ditto", "apfl"])
 def test_grouped_private_layers_are_bitwise_the_same_for_1_and_3_ranks(tmp_path, name):
-    """FedPer and Ditto in groups of 2: each client's head (personal model) from the store,
+    """FedPer, Ditto and APFL in groups of 2: each client's head (personal model) from the store,
     through flat buffers, into its row; 1 process and 3 ranks write the same model and
     personal scores."""
     values = merged(TINY, algorithm={"name": name}, eval={"every": 1, "clients": "all"},

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import local_sgd, schedule
+from . import group_sgd, local_sgd, schedule
 from .base import register
 from .fedavg import FedAvg
 from .params import Params, param
@@ -77,6 +77,39 @@ class APFL(FedAvg):
         upload = local_sgd.local_update(task, x, ctx, gradient_fn=gradient)
         upload.state = {"v": v, "alpha": alpha, "started": torch.ones(1, device=x.device)}
         return upload
+
+    def local_update_group(self, tasks, payload, client_states, ctx):
+        """The group form: every row's v and alpha take the same steps at the rows'
+        current w (a ``group_sgd.train`` gradient hook; w restored by copy), then the
+        loss's gradient at w steps the global rows, as FedAvg's group."""
+        x = payload["x"]
+        started = [bool(s["started"][0]) for s in client_states]   # host sync: once a client
+        v = torch.stack([s["v"] if on else x for s, on in zip(client_states, started)])
+        alpha = torch.stack([s["alpha"].clone() if on else
+                             torch.full((1,), self.params.alpha, device=x.device)
+                             for s, on in zip(client_states, started)])
+        adaptive = self.params.adaptive
+
+        def gradient(model, a, xb, yb, weights, autocast):
+            n = model.flat.num_params
+            params, rows_v, rows_alpha = model.rows[:a, :n], v[:a, :n], alpha[:a]
+            w_now = params.clone()
+            params.copy_(rows_v).mul_(rows_alpha).add_(w_now * (1 - rows_alpha))   # vbar
+            _, grads = model.gradient(a, xb, yb, weights, autocast)
+            if adaptive:
+                step = ((rows_v - w_now) * grads).sum(dim=1, keepdim=True)
+            group_sgd.group_step(rows_v, grads.mul_(rows_alpha), ctx.lr, ctx.weight_decay,
+                                 ctx.grad_clip, None, 0.0, False)
+            if adaptive:
+                rows_alpha.sub_(step * ctx.lr).clamp_(0.0, 1.0)
+            params.copy_(w_now)
+            return model.gradient(a, xb, yb, weights, autocast)
+
+        uploads = group_sgd.local_update(tasks, x, ctx, gradient=gradient)
+        for i, upload in enumerate(uploads):
+            upload.state = {"v": v[i].clone(), "alpha": alpha[i].clone(),
+                            "started": torch.ones(1, device=x.device)}
+        return uploads
 
     def personal_params(self, client_state, x):
         started = bool(client_state["started"][0])   # host sync: once a client, at evaluation
