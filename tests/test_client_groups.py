@@ -138,7 +138,7 @@ def test_every_method_with_a_local_sgd_update_trains_in_groups():
     inertia, FedMRUR's regulariser, FNR-FL's refinement) are refused, not served wrongly."""
     assert GROUPED == ["apfl", "ditto", "fedacg", "fedadam", "fedavg", "fedavgm", "fedbn", "fedcm",
                        "feddyn", "fedexp", "fednova", "fedper", "fedprox", "fedsam", "lg_fedavg",
-                       "mofedsam", "scaffold"]
+                       "mofedsam", "pfedme", "scaffold"]
 
 
 @pytest.mark.parametrize("model", ["cnn", "cnn-same", "cnn-vmap", "2nn"])
@@ -512,7 +512,7 @@ def test_a_grouped_run_follows_the_sequential_run(tmp_path):
         assert grouped.config["system"]["client_group"] == 3
 
 
-@pytest.mark.parametrize("name", ["fedper", "lg_fedavg", "fedbn", "ditto", "apfl"])
+@pytest.mark.parametrize("name", ["fedper", "lg_fedavg", "fedbn", "ditto", "apfl", "pfedme"])
 def test_private_layers_train_in_groups_each_client_from_its_own_model(tmp_path, name):
     """FedPer's heads, LG-FedAvg's bodies and FedBN's GroupNorm layers stay with the
     clients, as Ditto's and APFL's personal models do; in a group each row starts from its
@@ -556,9 +556,9 @@ def test_a_grouped_run_that_diverges_stops_as_a_sequential_one_does(tmp_path, mo
 
 @pytest.mark.slow
 @needs_mpi
-@pytest.mark.parametrize("name", ["fedper", "ditto", "apfl"])
+@pytest.mark.parametrize("name", ["fedper", "ditto", "apfl", "pfedme"])
 def test_grouped_private_layers_are_bitwise_the_same_for_1_and_3_ranks(tmp_path, name):
-    """FedPer, Ditto and APFL in groups of 2: each client's head (personal model) from the store,
+    """FedPer, Ditto, APFL and pFedMe in groups of 2: each client's head (personal model) from the store,
     through flat buffers, into its row; 1 process and 3 ranks write the same model and
     personal scores."""
     values = merged(TINY, algorithm={"name": name}, eval={"every": 1, "clients": "all"},

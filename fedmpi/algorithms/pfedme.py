@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import local_sgd
+from . import group_sgd, local_sgd
 from .base import register
 from .fedavg import FedAvg
 from .params import Params, param
@@ -68,6 +68,35 @@ class PFedMe(FedAvg):
         upload = local_sgd.local_update(task, x, ctx, gradient_fn=gradient)
         upload.state = {"theta": theta, "started": torch.ones(1, device=x.device)}
         return upload
+
+    def local_update_group(self, tasks, payload, client_states, ctx):
+        """The group form: at every step each row's theta takes its K inner steps on the
+        row's batch (a ``group_sgd.train`` gradient hook), then the rows' w step by the
+        envelope's gradient; w restored by copy in between."""
+        x = payload["x"]
+        theta = torch.stack([s["theta"] if bool(s["started"][0]) else x   # host sync: once a client
+                             for s in client_states])
+        p = self.params
+
+        def gradient(model, a, xb, yb, weights, autocast):
+            n = model.flat.num_params
+            params, rows_theta = model.rows[:a, :n], theta[:a, :n]
+            w_now = params.clone()
+            params.copy_(rows_theta)
+            for _ in range(p.inner_steps):
+                losses, grads = model.gradient(a, xb, yb, weights, autocast)
+                grads.add_(params - w_now, alpha=p.lam)
+                params.sub_(grads, alpha=p.personal_lr)
+            rows_theta.copy_(params)
+            params.copy_(w_now)
+            grads = model.grad_rows[:a]
+            torch.sub(w_now, rows_theta, out=grads).mul_(p.lam)
+            return losses, grads
+
+        uploads = group_sgd.local_update(tasks, x, ctx, gradient=gradient)
+        for i, upload in enumerate(uploads):
+            upload.state = {"theta": theta[i].clone(), "started": torch.ones(1, device=x.device)}
+        return uploads
 
     def personal_params(self, client_state, x):
         started = bool(client_state["started"][0])   # host sync: once a client, at evaluation
