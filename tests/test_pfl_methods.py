@@ -210,8 +210,8 @@ def test_a_resumed_run_has_the_same_personal_scores(tmp_path, name):
     ({"algorithm": {"name": "fedala", "window": 1}}, "algorithm.window: must be >= 2, got 1"),
     ({"algorithm": {"name": "fedrod"}, "system": {**TINY["system"], "client_group": 2}},
      "system.client_group: algorithm 'fedrod' has no group form"),
-    ({"algorithm": {"name": "pfedme"}, "system": {**TINY["system"], "client_group": 2}},
-     "system.client_group: algorithm 'pfedme' has no group form"),
+    ({"algorithm": {"name": "fedala"}, "system": {**TINY["system"], "client_group": 2}},
+     "system.client_group: algorithm 'fedala' has no group form"),
 ])
 def test_what_the_methods_cannot_take_is_refused(over, message):
     with pytest.raises(UsageError, match=re.escape(message)):
