@@ -136,9 +136,9 @@ def test_every_method_with_a_local_sgd_update_trains_in_groups():
     """Every method whose client runs the shared local SGD step has a group form; the
     ones that train something else (self-supervised heads, MOON's models, FedMIM's
     inertia, FedMRUR's regulariser, FNR-FL's refinement) are refused, not served wrongly."""
-    assert GROUPED == ["apfl", "ditto", "fedacg", "fedadam", "fedavg", "fedavgm", "fedbn", "fedcm",
-                       "feddyn", "fedexp", "fednova", "fedper", "fedprox", "fedsam", "lg_fedavg",
-                       "mofedsam", "pfedme", "scaffold"]
+    assert GROUPED == ["apfl", "ditto", "fedacg", "fedadam", "fedavg", "fedavgm", "fedbabu",
+                       "fedbn", "fedcm", "feddyn", "fedexp", "fednova", "fedper", "fedprox",
+                       "fedrep", "fedsam", "lg_fedavg", "mofedsam", "pfedme", "scaffold"]
 
 
 @pytest.mark.parametrize("model", ["cnn", "cnn-same", "cnn-vmap", "2nn"])
@@ -512,7 +512,8 @@ def test_a_grouped_run_follows_the_sequential_run(tmp_path):
         assert grouped.config["system"]["client_group"] == 3
 
 
-@pytest.mark.parametrize("name", ["fedper", "lg_fedavg", "fedbn", "ditto", "apfl", "pfedme"])
+@pytest.mark.parametrize("name", ["fedper", "lg_fedavg", "fedbn", "fedrep", "fedbabu", "ditto",
+                                  "apfl", "pfedme"])
 def test_private_layers_train_in_groups_each_client_from_its_own_model(tmp_path, name):
     """FedPer's heads, LG-FedAvg's bodies and FedBN's GroupNorm layers stay with the
     clients, as Ditto's and APFL's personal models do; in a group each row starts from its
@@ -524,6 +525,8 @@ def test_private_layers_train_in_groups_each_client_from_its_own_model(tmp_path,
                 partition={**TINY["partition"], "local_test": 0.2})
     if name == "fedbn":
         over["model"] = {**TINY["model"], "norm": "group"}
+    if name == "fedrep":   # the head's epoch, then the body's (FedRep's alternation)
+        over["train"] = {**TINY["train"], "local_epochs": 2}
     one = run_tiny(tmp_path, "one", system={"threads": 1}, **over)
     grouped = run_tiny(tmp_path, "grouped", system={"threads": 1, "client_group": 3}, **over)
     with one, grouped:

@@ -193,10 +193,9 @@ def test_a_resumed_fedper_run_has_the_same_private_values(tmp_path):
      "algorithm.private: must be a list of layer names or of head, body, norm, got ['']"),
     ({"algorithm": {"name": "fedrep", "rep_epochs": 2}},
      "algorithm.rep_epochs: the body's epochs come out of train.local_epochs = 1"),
-    ({"algorithm": {"name": "fedrep"}, "system": {**TINY["system"], "client_group": 2}},
-     "system.client_group: algorithm 'fedrep' has no group form"),
-    ({"algorithm": {"name": "fedbabu"}, "system": {**TINY["system"], "client_group": 2}},
-     "system.client_group: algorithm 'fedbabu' has no group form"),
+    ({"algorithm": {"name": "fedrep"}, "system": {**TINY["system"], "client_group": 2},
+      "train": {**TINY["train"], "optimizer": "adam"}},
+     "system.client_group: train.optimizer 'adam' has no group form"),
 ])
 def test_what_the_methods_cannot_take_is_refused_at_config_time(over, message):
     with pytest.raises(UsageError, match=re.escape(message)):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import local_sgd
+from . import group_sgd, local_sgd
 from .base import Upload, register
 from .params import Params
 from .private import PrivateLayers, body_layers, head_layers, span
@@ -33,6 +33,12 @@ class FedBABU(PrivateLayers):
 
     def private_layers(self, module):
         return head_layers(module)
+
+    def local_update_group(self, tasks, payload, client_states, ctx):
+        """The group form: every row (its client's merged model) steps its body only."""
+        flat = tasks[0].model
+        return group_sgd.local_update(tasks, payload["x"], ctx,
+                                      trainable=span(flat, body_layers(flat.module)))
 
     def local_update(self, task, payload, client_state, ctx):
         x, flat = payload["x"], task.model

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..config.coerce import field_error
-from . import local_sgd
+from . import group_sgd, local_sgd
 from .base import Upload, register
 from .params import Params, param
 from .private import PrivateLayers, body_layers, head_layers, span
@@ -41,6 +41,24 @@ class FedRep(PrivateLayers):
                                                       f"train.local_epochs = "
                                                       f"{train.local_epochs}; must be at most "
                                                       f"that, got {self.params.rep_epochs}")
+
+    def local_update_group(self, tasks, payload, client_states, ctx):
+        """The group form: every row (its client's merged model) takes the head's epochs,
+        then the body's, from where the first left it, over the same batches as one
+        client after another."""
+        x, flat = payload["x"], tasks[0].model
+        rows, totals, counts = x, [0.0] * len(tasks), [0] * len(tasks)
+        head_epochs = ctx.local_epochs - self.params.rep_epochs
+        for names, epochs in ((head_layers(flat.module), head_epochs),
+                              (body_layers(flat.module), self.params.rep_epochs)):
+            if epochs:
+                rows, losses, steps = group_sgd.train(
+                    tasks, rows, replace(ctx, local_epochs=epochs), trainable=span(flat, names))
+                totals = [t + loss * k for t, loss, k in zip(totals, losses, steps)]
+                counts = [c + k for c, k in zip(counts, steps)]
+        return [Upload(delta=rows[i] - (x if x.dim() == 1 else x[i]),
+                       num_samples=t.data.num_samples, loss=totals[i] / max(counts[i], 1),
+                       steps=counts[i]) for i, t in enumerate(tasks)]
 
     def local_update(self, task, payload, client_state, ctx):
         x, flat = payload["x"], task.model

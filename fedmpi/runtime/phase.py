@@ -283,16 +283,15 @@ class Phases:
                              {k: torch.from_numpy(v).to(self.device) for k, v in states[c].items()
                               if k in self.alg_states}
                              for c in clients]
-            group_payload = payload
-            merged = any(s.personalised for s in self.stages)   # private layers
-            if merged:   # each client starts from its own merged model
-                group_payload = {**payload, "x": torch.stack(
-                    [self.prepare(payload, states.get(c))["x"] for c in clients])}
+            # each client's start through the stages (private layers: its merged model;
+            # one shared x where every client starts from the same)
+            starts = [self.prepare(payload, states.get(c))["x"] for c in clients]
+            x = starts[0] if all(v is starts[0] for v in starts) else torch.stack(starts)
+            group_payload = payload if x is payload["x"] else {**payload, "x": x}
             uploads = self.alg.local_update_group(tasks, group_payload, client_states, ctx)
             seconds = (time.perf_counter() - t0) / len(clients)
             for c, upload in zip(clients, uploads):
-                if merged:   # the stages split what this client trained from
-                    self.prepare(payload, states.get(c))
+                self.prepare(payload, states.get(c))   # the stages split what c trained from
                 fold(c, upload, seconds)
 
     def prepare(self, payload: dict, state) -> dict:
