@@ -321,10 +321,13 @@ _ALIGN = 64   # each array starts on a cache line
 def _share_plan(obj):
     """(``obj`` without its CPU tensors, pickled; [(attribute, numpy dtype, shape, byte
     offset)]; total bytes) for its CPU tensor attributes, or None where there is nothing
-    to share or the rest does not pickle."""
+    to share, the rest does not pickle, or the tensors are files every rank maps itself
+    (``mapped_from``, fedmpi.data.cache: the page cache is the node's one copy)."""
     try:
         attributes = vars(obj)
     except TypeError:   # __slots__: no attribute dict to strip and refill
+        return None
+    if attributes.get("mapped_from"):
         return None
     tensors = {name: value for name, value in attributes.items()
                if isinstance(value, torch.Tensor) and value.device.type == "cpu"}

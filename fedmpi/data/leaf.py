@@ -27,9 +27,10 @@ ids); the test shards are the test set, and each test sample keeps its user
   ``len(vocab)`` (fedmpi.data.words).
 
 Parsing JSON is slow for the full sets (FEMNIST's 3,500 writers are ~2.5 GB of text), so
-the arrays are kept in a cache keyed by the shards' sha256 (``.fedmpi-cache/`` in the
-data folder, else in ``~/.cache/fedmpi``) and read from there while the shards are
-unchanged; the digest is the dataset's provenance (``source``). Every problem with a
+the Dataset's arrays are kept as .npy files in a cache keyed by the shards' sha256
+(``.fedmpi-cache/`` in the data folder, else in ``~/.cache/fedmpi``) and mapped from there
+while the shards are unchanged (fedmpi.data.cache: a rank holds only the pages its clients
+read); the digest is the dataset's provenance (``source``). Every problem with a
 shard is one line naming the file: not JSON, a key missing, a user listed without data,
 ``num_samples`` that disagrees with the data, a sample of the wrong shape, a label out
 of range.
@@ -39,20 +40,19 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from fedmpi.data import shakespeare, words
+from fedmpi.data import cache, shakespeare, words
 from fedmpi.data.registry import register
 from fedmpi.data.sources import Dataset, _tensor, channel_stats
 from fedmpi.errors import UsageError
 
 KINDS = {"femnist": 62, "shakespeare": shakespeare.VOCAB_SIZE, "celeba": 2, "sent140": 2}
 CELEBA_SIZE = 84
-CACHE_VERSION = 1
+CACHE_VERSION = 2   # 2: the Dataset's arrays as mapped .npy files (fedmpi.data.cache)
 
 
 def leaf_dir(data_dir) -> Path | None:
@@ -66,10 +66,9 @@ def leaf_dir(data_dir) -> Path | None:
     return None
 
 
-def load(kind: str, data_dir, vocab_file: str = "", vocab_size: int = 10000,
-         max_words: int = 25) -> dict:
-    """The arrays of one LEAF dataset: train_x, train_y, groups, test_x, test_y,
-    test_groups, names (user ids), digest (and Sent140's vocab_size)."""
+def _source(kind: str, data_dir, vocab_file: str = "") -> tuple[Path, dict, Path | None, str]:
+    """(the LEAF data/ folder, its train and test shards, the vocabulary file, the
+    digest of them all), or a one-line error."""
     folder = leaf_dir(data_dir)
     if folder is None:
         raise UsageError(f"dataset 'leaf_{kind}': data_dir {data_dir} is not a LEAF data/ "
@@ -83,14 +82,14 @@ def load(kind: str, data_dir, vocab_file: str = "", vocab_size: int = 10000,
     if vocab is not None and not vocab.is_file():
         raise UsageError(f"config field data.vocab_file: {vocab} is not a file (LEAF's "
                          f"models/sent140/embs.json; \"\" builds the vocabulary from the tweets)")
-    digest = _digest(shards["train"] + shards["test"] + ([vocab] if vocab else []))
-    tag = kind if kind != "sent140" else f"{kind}-{vocab_size if vocab is None else 'embs'}-{max_words}"
-    cache = _cache_path(folder, tag, digest)
-    if cache is not None and cache.is_file():
-        with np.load(cache, allow_pickle=False) as stored:
-            arrays = {k: stored[k] for k in stored.files}
-        arrays["names"] = [str(n) for n in arrays["names"]]
-        return {**arrays, "digest": digest}
+    return folder, shards, vocab, _digest(shards["train"] + shards["test"] + ([vocab] if vocab else []))
+
+
+def load(kind: str, data_dir, vocab_file: str = "", vocab_size: int = 10000,
+         max_words: int = 25) -> dict:
+    """The arrays of one LEAF dataset parsed from its shards: train_x, train_y, groups,
+    test_x, test_y, test_groups, names (user ids), digest (and Sent140's vocab_size)."""
+    folder, shards, vocab, digest = _source(kind, data_dir, vocab_file)
     train = _read(kind, folder, shards["train"])
     test = _read(kind, folder, shards["test"])
     extra = {}
@@ -98,17 +97,15 @@ def load(kind: str, data_dir, vocab_file: str = "", vocab_size: int = 10000,
         known = words.leaf_vocabulary(vocab) if vocab else \
             words.built_vocabulary(train["x"], vocab_size)
         train["x"], test["x"] = (words.leaf_ids(part["x"], known, max_words) for part in (train, test))
-        extra["vocab_size"] = np.int64(len(known) + 1)
+        extra["vocab_size"] = len(known) + 1
     names = train["users"]
     index = {user: i for i, user in enumerate(names)}
-    arrays = {"train_x": train["x"], "train_y": train["y"],
-              "groups": np.repeat(np.arange(len(names), dtype=np.int64), train["sizes"]),
-              "test_x": test["x"], "test_y": test["y"],
-              "test_groups": np.repeat(np.array([index.get(u, -1) for u in test["users"]],
-                                                dtype=np.int64), test["sizes"]),
-              "names": names, **extra}
-    _store(cache, arrays)
-    return {**arrays, "digest": digest}
+    return {"train_x": train["x"], "train_y": train["y"],
+            "groups": np.repeat(np.arange(len(names), dtype=np.int64), train["sizes"]),
+            "test_x": test["x"], "test_y": test["y"],
+            "test_groups": np.repeat(np.array([index.get(u, -1) for u in test["users"]],
+                                              dtype=np.int64), test["sizes"]),
+            "names": names, "digest": digest, **extra}
 
 
 def _digest(files: list[Path]) -> str:
@@ -119,36 +116,6 @@ def _digest(files: list[Path]) -> str:
             for block in iter(lambda: f.read(1 << 22), b""):
                 sha.update(block)
     return sha.hexdigest()
-
-
-def _cache_path(folder: Path, kind: str, digest: str) -> Path | None:
-    name = f"leaf_{kind}-v{CACHE_VERSION}-{digest[:24]}.npz"
-    for where in (folder / ".fedmpi-cache", Path("~/.cache/fedmpi").expanduser()):
-        if (where.is_dir() and os.access(where, os.W_OK)) or \
-                (not where.exists() and os.access(_existing(where), os.W_OK)):
-            return where / name
-    return None
-
-
-def _existing(path: Path) -> Path:
-    while not path.exists():
-        path = path.parent
-    return path
-
-
-def _store(cache: Path | None, arrays: dict) -> None:
-    """Write the cache atomically (a rename), so a reader never sees half of it; a
-    cache that cannot be written is skipped (the shards are read again next time)."""
-    if cache is None:
-        return
-    try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        partial = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
-        with open(partial, "wb") as f:
-            np.savez(f, **{k: (np.array(v) if k == "names" else v) for k, v in arrays.items()})
-        os.replace(partial, cache)
-    except OSError:
-        pass
 
 
 def _read(kind: str, folder: Path, files: list[Path]) -> dict:
@@ -266,10 +233,17 @@ def _celeba_images(folder: Path, names: list, where: str) -> np.ndarray:
 # ---- the registered datasets ------------------------------------------------------------
 
 def _dataset(kind: str, data_dir, **options):
-    a = load(kind, data_dir, **options)
-    vocab = int(a["vocab_size"]) if "vocab_size" in a else None
-    return natural_dataset(f"leaf_{kind}", a, KINDS[kind], kind in ("shakespeare", "sent140"),
-                           f"{leaf_dir(data_dir)} (LEAF shards sha256 {a['digest']})", vocab)
+    """The Dataset, from its cache (parsed once, then mapped: fedmpi.data.cache)."""
+    folder, _, vocab, digest = _source(kind, data_dir, options.get("vocab_file", ""))
+    tag = kind if kind != "sent140" else \
+        f"{kind}-{options['vocab_size'] if vocab is None else 'embs'}-{options['max_words']}"
+    where = cache.root(folder)
+
+    def build():
+        a = load(kind, data_dir, **options)
+        return natural_dataset(f"leaf_{kind}", a, KINDS[kind], kind in ("shakespeare", "sent140"),
+                               f"{folder} (LEAF shards sha256 {a['digest']})", a.get("vocab_size"))
+    return cache.keep(where and where / f"leaf_{tag}-v{CACHE_VERSION}-{digest[:24]}", build)
 
 
 def natural_dataset(name: str, a: dict, num_classes: int, text: bool, source: str,

@@ -68,6 +68,8 @@ class Dataset:
     # partition.kind = "natural" they are each client's local test split
     vocab_size: int | None = None  # text whose ids are not its classes (Sent140's words,
     # two classes): ids are 0 .. vocab_size - 1; None = num_classes (one vocabulary)
+    mapped_from: str | None = None  # the folder of .npy files the tensors are mapped
+    # from (fedmpi.data.cache): every rank maps them itself (Comm.node_shared)
 
     @property
     def in_channels(self) -> int:

@@ -26,19 +26,23 @@ predicts exactly as TFF's masked sequence model does (10,004 ids and classes).
 ``max_clients = N`` reads the first N train clients only (h5py reads those groups and
 nothing else) and only their test examples: the full file's 342,477 clients and 135
 million posts, as windows, do not fit a node's memory. The files' sha256 (and the word
-counts') is the dataset's provenance. A file of another task
+counts') is the dataset's provenance. The Dataset is read once and kept as mapped .npy
+files keyed by those digests and the options (fedmpi.data.cache), so later runs, and
+every rank, map it instead of reading the HDF5 files again. A file of another task
 (a feature missing), a label out of range, a client without examples or features of
 unequal lengths: one line naming the file and the client.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 from pathlib import Path
 
 import numpy as np
 
-from fedmpi.data import shakespeare, words
+from fedmpi.data import cache, shakespeare, words
 from fedmpi.data.array_files import sha256
 from fedmpi.data.leaf import natural_dataset
 from fedmpi.data.registry import register
@@ -50,6 +54,7 @@ FILES = {"emnist": "fed_emnist", "emnist_digits": "fed_emnist_digitsonly",
 FEATURES = {"cifar100": ("image", "label"), "shakespeare": ("snippets",),
             "stackoverflow": ("tokens",)}
 WORD_COUNTS = "stackoverflow.word_count"
+CACHE_VERSION = 1
 
 
 def files(data_dir, stem: str) -> tuple[Path, Path] | None:
@@ -142,23 +147,34 @@ def _posts(path: Path, name: str, tokens, index: dict, max_words: int):
     return np.concatenate(xs), np.concatenate(ys)
 
 
-def load(kind: str, data_dir, classes: int, seq_len: int = 80, stride: int = 8,
-         vocab_size: int = 10000, max_words: int = 20, max_clients: int = 0) -> dict:
+def _source(kind: str, data_dir) -> tuple[tuple[Path, Path], list[Path], str]:
+    """(the train and test files, every file read, their provenance line), or a one-line
+    error."""
     stem = FILES[kind]
     pair = files(data_dir, stem)
     if pair is None:
         raise UsageError(f"dataset 'tff_{kind.split('_')[0]}': data_dir {data_dir} has no "
                          f"{stem}_train.h5 and {stem}_test.h5 (TensorFlow Federated's files)")
-    features = FEATURES.get(kind, ("pixels", "label"))
     provenance = [f"{stem}_*.h5 sha256 train {sha256(pair[0])}, test {sha256(pair[1])}"]
+    read = list(pair)
     if kind == "stackoverflow":
         counts = pair[0].parent / WORD_COUNTS
         if not counts.is_file():
             raise UsageError(f"dataset 'tff_stackoverflow': data_dir {pair[0].parent} has no "
                              f"{WORD_COUNTS} (TFF's word counts, stackoverflow.word_count."
                              f"tar.bz2 unpacked beside the .h5 files)")
-        index = {w: i for i, w in enumerate(words.tff_vocabulary(counts, vocab_size))}
         provenance.append(f"{WORD_COUNTS} sha256 {sha256(counts)}")
+        read.append(counts)
+    return pair, read, f"{pair[0].parent} ({'; '.join(provenance)})"
+
+
+def load(kind: str, data_dir, classes: int, seq_len: int = 80, stride: int = 8,
+         vocab_size: int = 10000, max_words: int = 20, max_clients: int = 0,
+         source=None) -> dict:
+    pair, read, provenance = source or _source(kind, data_dir)
+    features = FEATURES.get(kind, ("pixels", "label"))
+    if kind == "stackoverflow":
+        index = {w: i for i, w in enumerate(words.tff_vocabulary(read[2], vocab_size))}
     out, index_of = {}, {}
     for split, path in zip(("train", "test"), pair):
         names, clients = _read(path, features, max_clients if split == "train" else 0,
@@ -183,14 +199,23 @@ def load(kind: str, data_dir, classes: int, seq_len: int = 80, stride: int = 8,
         out[f"{split}_x"], out[f"{split}_y"] = np.concatenate(xs), np.concatenate(ys)
         out["groups" if split == "train" else "test_groups"] = np.concatenate(owners)
     out["names"] = list(index_of)
-    out["source"] = f"{pair[0].parent} ({'; '.join(provenance)})"
+    out["source"] = provenance
     return out
 
 
 def _dataset(name: str, kind: str, data_dir, classes: int, **options):
-    a = load(kind, data_dir, classes, **options)
-    return natural_dataset(name, a, classes if kind != "shakespeare" else shakespeare.VOCAB_SIZE,
-                           kind in ("shakespeare", "stackoverflow"), a["source"])
+    """The Dataset, from its cache (read once, then mapped: fedmpi.data.cache), keyed by
+    the files' digests and the options."""
+    source = _source(kind, data_dir)
+    key = hashlib.sha256(json.dumps([source[2], kind, classes, sorted(options.items())])
+                         .encode()).hexdigest()[:24]
+    where = cache.root(source[0][0].parent)
+
+    def build():
+        a = load(kind, data_dir, classes, **options, source=source)
+        return natural_dataset(name, a, classes if kind != "shakespeare" else shakespeare.VOCAB_SIZE,
+                               kind in ("shakespeare", "stackoverflow"), a["source"])
+    return cache.keep(where and where / f"{name}-v{CACHE_VERSION}-{key}", build)
 
 
 def _locate(stem: str):
