@@ -175,6 +175,7 @@ def test_sent140_with_leafs_glove_vocabulary_and_its_own_cache(leaf, tmp_path):
     ("vocab missing", "config field data.vocab_file:"),
     ("vocab bad", "LEAF's embs.json holds \"vocab\", a list of distinct words"),
     ("vocab_size", "config field data.vocab_size: an integer in 1.."),
+    ("max_words", "config field data.max_words: an integer in 1..1000"),
 ])
 def test_bad_sent140_input_is_one_line(leaf, tmp_path, how, says):
     import shutil
@@ -195,6 +196,8 @@ def test_bad_sent140_input_is_one_line(leaf, tmp_path, how, says):
     elif how == "vocab bad":
         (tmp_path / "embs.json").write_text(json.dumps({"emba": []}))
         options["vocab_file"] = str(tmp_path / "embs.json")
+    elif how == "max_words":
+        options["max_words"] = 2 ** 63
     else:
         options["vocab_size"] = 0
     shard.write_text(json.dumps(data))

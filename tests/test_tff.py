@@ -124,6 +124,7 @@ def test_stackoverflow_max_clients_reads_the_first_clients_and_their_test_posts(
     ("vocab_size", "config field data.vocab_size: an integer in 1.."),
     ("other task", "has no tokens (features: label, pixels)"),
     ("bytes", "tokens are not UTF-8 text"),
+    ("max_clients", "config field data.max_clients: an integer in 0..2147483648 (0: every client)"),
 ])
 def test_bad_stackoverflow_input_is_one_line(tff, tmp_path, how, says):
     folder = tmp_path / "so"
@@ -138,6 +139,8 @@ def test_bad_stackoverflow_input_is_one_line(tff, tmp_path, how, says):
         options["vocab_size"] = 100000
     elif how == "vocab_size":
         options["vocab_size"] = 0
+    elif how == "max_clients":
+        options["max_clients"] = 2 ** 63
     elif how == "bytes":
         with h5py.File(folder / "stackoverflow_train.h5", "r+") as h5:
             group = h5["examples"][sorted(h5["examples"])[0]]

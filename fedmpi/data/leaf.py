@@ -296,8 +296,8 @@ def load_leaf_sent140(data_dir=None, seed=0, vocab_file="", vocab_size=10000, ma
     """LEAF Sent140: a tweet's sentiment from its first 25 words, one client per user."""
     if not isinstance(vocab_file, str):
         raise UsageError("config field data.vocab_file: a path to LEAF's embs.json, or \"\"")
-    for field, value in (("vocab_size", vocab_size), ("max_words", max_words)):
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 2 ** 20 - 1:
-            raise UsageError(f"config field data.{field}: an integer in 1..{2 ** 20 - 1}")
+    for field, value, high in (("vocab_size", vocab_size, 2 ** 20 - 1), ("max_words", max_words, 1000)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
+            raise UsageError(f"config field data.{field}: an integer in 1..{high}")
     return _dataset("sent140", data_dir, vocab_file=vocab_file, vocab_size=vocab_size,
                     max_words=max_words)
