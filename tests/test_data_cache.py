@@ -61,10 +61,51 @@ def test_without_a_writable_cache_the_dataset_stays_in_memory(femnist, monkeypat
     assert not (femnist / ".fedmpi-cache").exists()
 
 
-def test_a_second_writer_leaves_the_first_ones_cache(femnist):
-    ds = load_dataset("leaf_femnist", str(femnist))
-    path = cache.Path(ds.mapped_from)
-    before = sorted(p.name for p in path.parent.iterdir())
-    assert cache._store(path, parsed(femnist)) is False     # the folder is there: not replaced
-    assert sorted(p.name for p in path.parent.iterdir()) == before   # no temporary folder left
-    assert np.array_equal(np.load(path / "train_y.npy"), ds.train_y.numpy())
+def test_a_second_writer_leaves_the_first_ones_cache(femnist, tmp_path):
+    """Two builders of one cache: the folder that lands first stays; the other's rename is
+    refused, it maps the first one's, and no temporary folder is left."""
+    path = tmp_path / "cache" / "ds"
+
+    def racing(folder):   # another writer finishes the same cache while this one builds
+        assert cache.keep(path, lambda f: parsed(femnist)).mapped_from == str(path)
+        (folder / "marker").write_text("this writer's")
+        return parsed(femnist)
+    got = cache.keep(path, racing)
+    assert got.mapped_from == str(path) and not (path / "marker").exists()   # the first one's
+    assert [p.name for p in path.parent.iterdir()] == ["ds"]   # no temporary folder left
+    assert got.sha256() == parsed(femnist).sha256()
+
+
+@pytest.mark.parametrize("kind", ["emnist", "cifar100", "shakespeare", "stackoverflow"])
+def test_tff_files_stream_into_the_cache_one_client_at_a_time(tmp_path, kind):
+    """A TFF dataset is written into the cache client by client (natural.Builder: each
+    client's samples appended to the .npy files, the header last) and is the in-memory
+    build bit for bit, channel statistics included; a build that fails leaves no folder."""
+    import tff_fixtures
+    from fedmpi.data import tff
+
+    folder = tff_fixtures.WRITERS[kind](tmp_path / kind)
+    options = {"vocab_size": 50} if kind == "stackoverflow" else {}
+    name, stem = f"tff_{kind}", tff.FILES[kind]
+    mapped = load_dataset(name, str(folder), **options)
+    assert mapped.mapped_from
+    classes = {"emnist": 62, "cifar100": 100, "shakespeare": 0, "stackoverflow": 54}[kind]
+    memory = tff.load(name, kind, str(folder), classes, **options)
+    assert memory.mapped_from is None and mapped.sha256() == memory.sha256()
+    for field in cache.TENSORS:
+        assert torch.equal(getattr(mapped, field), getattr(memory, field)), field
+    assert (mapped.mean, mapped.std, mapped.group_names) == (memory.mean, memory.std,
+                                                              memory.group_names)
+    if kind == "emnist":   # what natural_dataset's channel_stats gives on the train samples
+        from fedmpi.data.sources import channel_stats
+        own = ~memory.held_out
+        assert channel_stats(memory.train_x[own]) == (memory.mean, memory.std)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for split in ("train", "test"):
+        (broken / f"{stem}_{split}.h5").write_bytes(b"not HDF5" * 8)
+    if kind == "stackoverflow":
+        (broken / "stackoverflow.word_count").write_text((folder / "stackoverflow.word_count").read_text())
+    with pytest.raises(Exception, match="is not a readable HDF5 file"):
+        load_dataset(name, str(broken), **options)
+    assert not list((broken / ".fedmpi-cache").iterdir())

@@ -51,30 +51,42 @@ def _existing(path: Path) -> Path:
     return path
 
 
-def keep(path: Path | None, build: Callable[[], object]):
-    """The Dataset cached at ``path``, else ``build()``'s, cached there and mapped."""
+def keep(path: Path | None, build: Callable[[Path | None], object]):
+    """The Dataset cached at ``path``, else ``build(folder)``'s, cached there and mapped.
+    ``folder`` is where ``build`` may write arrays itself, as .npy files named for the
+    Dataset's fields (a loader that streams its files into the cache, holding one client
+    at a time: fedmpi.data.natural), or None (no cache: build in memory); the Dataset's
+    other arrays are saved from it."""
     if path is not None and path.exists():
         found = _mapped(path)
         if found is not None:
             return found
         shutil.rmtree(path, ignore_errors=True)   # damaged, or of another version: anew
-    dataset = build()
-    if path is None:
-        return dataset
-    _store(path, dataset)   # or another writer's, the same arrays, if it came first
-    return _mapped(path) or dataset
-
-
-def _store(path: Path, dataset) -> bool:
+    partial = None
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+        except OSError:
+            partial = None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    except OSError:
-        return False
+        dataset = build(partial)
+        if partial is None:
+            return dataset
+        _store(partial, path, dataset)   # or another writer's, the same arrays, came first
+        return _mapped(path) or dataset
+    finally:
+        if partial is not None:
+            shutil.rmtree(partial, ignore_errors=True)
+
+
+def _store(partial: Path, path: Path, dataset) -> bool:
+    """The arrays ``build`` did not write, and meta.json, into ``partial``; then renamed
+    to ``path`` in one step."""
     try:
         for name in TENSORS:
             tensor = getattr(dataset, name)
-            if tensor is not None:
+            if tensor is not None and not (partial / f"{name}.npy").is_file():
                 np.save(partial / f"{name}.npy", tensor.detach().cpu().numpy())
         meta = {key: getattr(dataset, key) for key in META}
         meta["mean"], meta["std"] = list(meta["mean"]), list(meta["std"])
@@ -83,8 +95,6 @@ def _store(path: Path, dataset) -> bool:
         return True
     except OSError:
         return False
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
 
 
 def _mapped(path: Path):

@@ -239,7 +239,7 @@ def _dataset(kind: str, data_dir, **options):
         f"{kind}-{options['vocab_size'] if vocab is None else 'embs'}-{options['max_words']}"
     where = cache.root(folder)
 
-    def build():
+    def build(_):   # JSON shards parse whole: the arrays are saved once built
         a = load(kind, data_dir, **options)
         return natural_dataset(f"leaf_{kind}", a, KINDS[kind], kind in ("shakespeare", "sent140"),
                                f"{folder} (LEAF shards sha256 {a['digest']})", a.get("vocab_size"))

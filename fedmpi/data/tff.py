@@ -44,7 +44,7 @@ import numpy as np
 
 from fedmpi.data import cache, shakespeare, words
 from fedmpi.data.array_files import sha256
-from fedmpi.data.leaf import natural_dataset
+from fedmpi.data.natural import Builder
 from fedmpi.data.registry import register
 from fedmpi.errors import UsageError
 
@@ -65,10 +65,9 @@ def files(data_dir, stem: str) -> tuple[Path, Path] | None:
     return pair if all(p.is_file() for p in pair) else None
 
 
-def _read(path: Path, features: tuple[str, ...], limit: int = 0,
-          only: dict | None = None) -> tuple[list[str], list[dict]]:
-    """Each client's features: the first ``limit`` clients (0: all), or those named in
-    ``only``; the others' groups are never read."""
+def _clients(path: Path, features: tuple[str, ...], limit: int = 0, only: dict | None = None):
+    """(name, features) of each client, one at a time: the first ``limit`` clients (0:
+    all), or those named in ``only``; the others' groups are never read."""
     import h5py   # deferred: h5py with the data module's other readers, at load time only
 
     try:
@@ -80,7 +79,6 @@ def _read(path: Path, features: tuple[str, ...], limit: int = 0,
         if not isinstance(examples, h5py.Group):
             raise UsageError(f"TFF file {path}: no examples/ group (TFF's client data files "
                              f"hold examples/<client>/<feature>)")
-        names, clients = [], []
         chosen = examples if only is None else [n for n in only if n in examples]
         for name in itertools.islice(chosen, limit or None):
             group = examples[name]
@@ -94,9 +92,7 @@ def _read(path: Path, features: tuple[str, ...], limit: int = 0,
             if lengths == {0} or len(lengths) != 1:
                 raise UsageError(f"TFF file {path}: client {name!r} has no examples, or "
                                  f"features of unequal lengths")
-            names.append(name)
-            clients.append(data)
-    return names, clients
+            yield name, data
 
 
 def _labels(path: Path, name: str, y, classes: int) -> np.ndarray:
@@ -168,39 +164,45 @@ def _source(kind: str, data_dir) -> tuple[tuple[Path, Path], list[Path], str]:
     return pair, read, f"{pair[0].parent} ({'; '.join(provenance)})"
 
 
-def load(kind: str, data_dir, classes: int, seq_len: int = 80, stride: int = 8,
+SHAPES = {"emnist": (1, 28, 28), "emnist_digits": (1, 28, 28), "cifar100": (3, 32, 32)}
+
+
+def load(name: str, kind: str, data_dir, classes: int, seq_len: int = 80, stride: int = 8,
          vocab_size: int = 10000, max_words: int = 20, max_clients: int = 0,
-         source=None) -> dict:
+         source=None, folder: Path | None = None):
+    """The Dataset, read one client at a time into a ``natural.Builder`` (into ``folder``,
+    a cache being written, or into memory)."""
     pair, read, provenance = source or _source(kind, data_dir)
     features = FEATURES.get(kind, ("pixels", "label"))
+    text = kind in ("shakespeare", "stackoverflow")
     if kind == "stackoverflow":
         index = {w: i for i, w in enumerate(words.tff_vocabulary(read[2], vocab_size))}
-    out, index_of = {}, {}
-    for split, path in zip(("train", "test"), pair):
-        names, clients = _read(path, features, max_clients if split == "train" else 0,
-                               index_of if split == "test" and max_clients else None)
-        xs, ys, owners = [], [], []
-        for name, data in zip(names, clients):
-            if kind == "shakespeare":
-                x, y = _windows(path, name, data["snippets"], seq_len, stride)
-            elif kind == "stackoverflow":
-                x, y = _posts(path, name, data["tokens"], index, max_words)
-            else:
-                x, y = _images(kind, path, name, data), _labels(path, name, data["label"], classes)
-            if split == "train" and len(y):
-                index_of[name] = len(index_of)
-            xs.append(x)
-            ys.append(y)
-            # CIFAR-100's test clients reuse the train ids "0".."99" for other people
-            same = split == "train" or kind != "cifar100"
-            owners.append(np.full(len(y), index_of.get(name, -1) if same else -1, dtype=np.int64))
-        if kind == "stackoverflow":
-            xs = [x.astype(words.id_dtype(classes)) for x in xs]
-        out[f"{split}_x"], out[f"{split}_y"] = np.concatenate(xs), np.concatenate(ys)
-        out["groups" if split == "train" else "test_groups"] = np.concatenate(owners)
-    out["names"] = list(index_of)
-    out["source"] = provenance
-    return out
+    x_dtype = words.id_dtype(classes) if kind == "stackoverflow" else np.uint8
+    x_shape = SHAPES.get(kind) or ((seq_len,) if kind == "shakespeare" else (max_words,))
+    out = Builder(folder, x_dtype, x_shape, not text)
+    index_of: dict[str, int] = {}
+    try:
+        for split, path in zip(("train", "test"), pair):
+            for name, data in _clients(path, features, max_clients if split == "train" else 0,
+                                       index_of if split == "test" and max_clients else None):
+                if kind == "shakespeare":
+                    x, y = _windows(path, name, data["snippets"], seq_len, stride)
+                elif kind == "stackoverflow":
+                    x, y = _posts(path, name, data["tokens"], index, max_words)
+                else:
+                    x = _images(kind, path, name, data)
+                    y = _labels(path, name, data["label"], classes)
+                if split == "train":
+                    if len(y):
+                        index_of[name] = len(index_of)
+                    out.train(index_of.get(name, -1), x, y)
+                else:   # CIFAR-100's test clients reuse train ids "0".."99" for other people
+                    out.test(index_of.get(name, -1) if kind != "cifar100" else -1, x, y)
+        return out.finish(name, classes if kind != "shakespeare" else shakespeare.VOCAB_SIZE,
+                          provenance, list(index_of))
+    except BaseException:
+        out.close()
+        raise
 
 
 def _dataset(name: str, kind: str, data_dir, classes: int, **options):
@@ -211,11 +213,9 @@ def _dataset(name: str, kind: str, data_dir, classes: int, **options):
                          .encode()).hexdigest()[:24]
     where = cache.root(source[0][0].parent)
 
-    def build():
-        a = load(kind, data_dir, classes, **options, source=source)
-        return natural_dataset(name, a, classes if kind != "shakespeare" else shakespeare.VOCAB_SIZE,
-                               kind in ("shakespeare", "stackoverflow"), a["source"])
-    return cache.keep(where and where / f"{name}-v{CACHE_VERSION}-{key}", build)
+    return cache.keep(where and where / f"{name}-v{CACHE_VERSION}-{key}",
+                      lambda folder: load(name, kind, data_dir, classes, **options,
+                                          source=source, folder=folder))
 
 
 def _locate(stem: str):
