@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .sources import Dataset
+from .sources import Dataset, histogram_stats
 
 HEADER = 256   # bytes of a .npy header left for the final shape (numpy reads its length)
 
@@ -126,17 +126,8 @@ class Builder:
             rows["held"].discard()
         owners = {k: torch.from_numpy(v.finish()) for k, v in self.owners.items()}
         held = np.concatenate([np.zeros(n_train, bool), np.ones(n_held, bool)])
-        if self.hist is None:
-            mean, std = (0.0,), (1.0,)
-        else:   # channel_stats' arithmetic on the same counts
-            values = torch.arange(256, dtype=torch.float64) / 255
-            means, stds = [], []
-            for hist in torch.from_numpy(self.hist).double():
-                p = hist / hist.sum()
-                m = float((p * values).sum())
-                means.append(m)
-                stds.append(max(float((p * values**2).sum()) - m**2, 0.0) ** 0.5)
-            mean, std = tuple(means), tuple(stds)
+        mean, std = ((0.0,), (1.0,)) if self.hist is None else \
+            histogram_stats(torch.from_numpy(self.hist))   # channel_stats', on the same counts
         tensor = {f"{k}_{a}": torch.from_numpy(rows[k].finish())
                   for a, rows in (("x", self.x), ("y", self.y)) for k in ("train", "test")}
         return Dataset(name, tensor["train_x"], tensor["train_y"], tensor["test_x"],

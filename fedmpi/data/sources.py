@@ -125,10 +125,17 @@ def channel_stats(x: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]
 
     A histogram of uint8 values is exact and needs no float copy of the whole set.
     """
+    return histogram_stats([torch.bincount(x[:, c].reshape(-1), minlength=256)
+                            for c in range(x.shape[1])])
+
+
+def histogram_stats(hists) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per-channel mean and std of x/255 from each channel's 256-bin count of x (a
+    dataset built client by client sums its clients' counts: fedmpi.data.natural)."""
     values = torch.arange(256, dtype=torch.float64) / 255
     means, stds = [], []
-    for c in range(x.shape[1]):
-        hist = torch.bincount(x[:, c].reshape(-1), minlength=256).double()
+    for counts in hists:
+        hist = torch.as_tensor(counts).double()
         p = hist / hist.sum()
         mean = float((p * values).sum())
         means.append(mean)
