@@ -22,10 +22,8 @@ def femnist(tmp_path):
 
 
 def parsed(folder):
-    """The Dataset as built from the shards, never cached."""
-    a = leaf.load("femnist", str(folder))
-    return leaf.natural_dataset("leaf_femnist", a, 62, False,
-                                f"{folder} (LEAF shards sha256 {a['digest']})")
+    """The Dataset as built from the shards in memory, never cached."""
+    return leaf.load("leaf_femnist", "femnist", str(folder))
 
 
 def test_a_mapped_dataset_is_the_parsed_one_and_is_mapped(femnist):
@@ -96,7 +94,7 @@ def test_tff_files_stream_into_the_cache_one_client_at_a_time(tmp_path, kind):
         assert torch.equal(getattr(mapped, field), getattr(memory, field)), field
     assert (mapped.mean, mapped.std, mapped.group_names) == (memory.mean, memory.std,
                                                               memory.group_names)
-    if kind == "emnist":   # what natural_dataset's channel_stats gives on the train samples
+    if kind == "emnist":   # channel_stats of the train file's samples
         from fedmpi.data.sources import channel_stats
         own = ~memory.held_out
         assert channel_stats(memory.train_x[own]) == (memory.mean, memory.std)

@@ -223,6 +223,7 @@ def test_a_damaged_shard_is_one_line_naming_the_file(leaf, tmp_path, how, says):
     with pytest.raises(UsageError, match="LEAF file") as error:
         load_dataset("leaf_femnist", str(folder))
     assert says in str(error.value) and "\n" not in str(error.value)
+    assert not list((folder / ".fedmpi-cache").glob("*"))   # a failed build leaves nothing
     if how != "twice":
         assert str(shard) in str(error.value)
     proc = fedmpi(["run", "--set", "data.dataset=leaf_femnist", "--set", f"data.data_dir={folder}",

@@ -27,7 +27,8 @@ ids); the test shards are the test set, and each test sample keeps its user
   ``len(vocab)`` (fedmpi.data.words).
 
 Parsing JSON is slow for the full sets (FEMNIST's 3,500 writers are ~2.5 GB of text), so
-the Dataset's arrays are kept as .npy files in a cache keyed by the shards' sha256
+the shards are read one at a time, each user's samples written into the Dataset's .npy
+files (fedmpi.data.natural), which are kept in a cache keyed by the shards' sha256
 (``.fedmpi-cache/`` in the data folder, else in ``~/.cache/fedmpi``) and mapped from there
 while the shards are unchanged (fedmpi.data.cache: a rank holds only the pages its clients
 read); the digest is the dataset's provenance (``source``). Every problem with a
@@ -43,11 +44,11 @@ import json
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from fedmpi.data import cache, shakespeare, words
+from fedmpi.data.natural import Builder
 from fedmpi.data.registry import register
-from fedmpi.data.sources import Dataset, _tensor, channel_stats
+from fedmpi.data.sources import Dataset
 from fedmpi.errors import UsageError
 
 KINDS = {"femnist": 62, "shakespeare": shakespeare.VOCAB_SIZE, "celeba": 2, "sent140": 2}
@@ -85,27 +86,42 @@ def _source(kind: str, data_dir, vocab_file: str = "") -> tuple[Path, dict, Path
     return folder, shards, vocab, _digest(shards["train"] + shards["test"] + ([vocab] if vocab else []))
 
 
-def load(kind: str, data_dir, vocab_file: str = "", vocab_size: int = 10000,
-         max_words: int = 25) -> dict:
-    """The arrays of one LEAF dataset parsed from its shards: train_x, train_y, groups,
-    test_x, test_y, test_groups, names (user ids), digest (and Sent140's vocab_size)."""
-    folder, shards, vocab, digest = _source(kind, data_dir, vocab_file)
-    train = _read(kind, folder, shards["train"])
-    test = _read(kind, folder, shards["test"])
-    extra = {}
-    if kind == "sent140":   # ids once the vocabulary is known: the train tweets' or GloVe's
-        known = words.leaf_vocabulary(vocab) if vocab else \
-            words.built_vocabulary(train["x"], vocab_size)
-        train["x"], test["x"] = (words.leaf_ids(part["x"], known, max_words) for part in (train, test))
-        extra["vocab_size"] = len(known) + 1
-    names = train["users"]
-    index = {user: i for i, user in enumerate(names)}
-    return {"train_x": train["x"], "train_y": train["y"],
-            "groups": np.repeat(np.arange(len(names), dtype=np.int64), train["sizes"]),
-            "test_x": test["x"], "test_y": test["y"],
-            "test_groups": np.repeat(np.array([index.get(u, -1) for u in test["users"]],
-                                              dtype=np.int64), test["sizes"]),
-            "names": names, "digest": digest, **extra}
+SHAPES = {"femnist": (1, 28, 28), "shakespeare": (80,), "celeba": (3, CELEBA_SIZE, CELEBA_SIZE)}
+
+
+def load(name: str, kind: str, data_dir, vocab_file: str = "", vocab_size: int = 10000,
+         max_words: int = 25, folder: Path | None = None) -> Dataset:
+    """The Dataset of one LEAF dataset, one shard in memory at a time, each user's samples
+    into a ``natural.Builder`` (into ``folder``, a cache being written, or into memory):
+    the train shards' users in order are the natural clients (``groups``), every test
+    sample is in the global test set, and those of users who also train are their local
+    test split (``held_out``)."""
+    root, shards, vocab, digest = _source(kind, data_dir, vocab_file)
+    known = None
+    if kind == "sent140":   # ids once the vocabulary is known: GloVe's or the train tweets'
+        known = words.leaf_vocabulary(vocab) if vocab else words.built_vocabulary(
+            (t for path, user, x, _ in _users(shards["train"])
+             for t in _inputs(kind, root, x, f"LEAF file {path}: user {user!r}")), vocab_size)
+    x_dtype = words.id_dtype(len(known) + 1) if known is not None else np.uint8
+    out = Builder(folder, x_dtype, SHAPES.get(kind, (max_words,)), kind in ("femnist", "celeba"))
+    index: dict[str, int] = {}
+    try:
+        for split in ("train", "test"):
+            for path, user, x, y in _users(shards[split]):
+                where = f"LEAF file {path}: user {user!r}"
+                x, y = _inputs(kind, root, x, where), _labels(kind, y, where)
+                if known is not None:
+                    x = words.leaf_ids(x, known, max_words)
+                if split == "train":
+                    index[user] = len(index)
+                    out.train(index[user], x, y)
+                else:
+                    out.test(index.get(user, -1), x, y)
+        return out.finish(name, KINDS[kind], f"{root} (LEAF shards sha256 {digest})",
+                          list(index), None if known is None else len(known) + 1)
+    except BaseException:
+        out.close()
+        raise
 
 
 def _digest(files: list[Path]) -> str:
@@ -118,8 +134,10 @@ def _digest(files: list[Path]) -> str:
     return sha.hexdigest()
 
 
-def _read(kind: str, folder: Path, files: list[Path]) -> dict:
-    users, sizes, xs, ys = [], [], [], []
+def _users(files: list[Path]):
+    """(shard, user, x, y) of every user of ``files``, one shard in memory at a time; a
+    user listed without data, with x and y of other lengths than num_samples, or in two
+    shards is a one-line error naming the shard."""
     seen: dict[str, Path] = {}
     for path in files:
         shard = _shard(path)
@@ -138,14 +156,7 @@ def _read(kind: str, folder: Path, files: list[Path]) -> dict:
             if len(y) != count:
                 raise UsageError(f"LEAF file {path}: user {user!r} has {len(y)} samples, "
                                  f"num_samples says {count}")
-            where = f"LEAF file {path}: user {user!r}"
-            xs.append(_inputs(kind, folder, x, where))
-            ys.append(_labels(kind, y, where))
-            users.append(user)
-            sizes.append(len(y))
-    x = np.concatenate(xs) if xs else _inputs(kind, folder, [], "")
-    return {"users": users, "sizes": np.array(sizes, dtype=np.int64), "x": x,
-            "y": np.concatenate(ys) if ys else np.zeros(0, np.int64)}
+            yield path, user, x, y
 
 
 def _shard(path: Path) -> dict:
@@ -238,32 +249,8 @@ def _dataset(kind: str, data_dir, **options):
     tag = kind if kind != "sent140" else \
         f"{kind}-{options['vocab_size'] if vocab is None else 'embs'}-{options['max_words']}"
     where = cache.root(folder)
-
-    def build(_):   # JSON shards parse whole: the arrays are saved once built
-        a = load(kind, data_dir, **options)
-        return natural_dataset(f"leaf_{kind}", a, KINDS[kind], kind in ("shakespeare", "sent140"),
-                               f"{folder} (LEAF shards sha256 {a['digest']})", a.get("vocab_size"))
-    return cache.keep(where and where / f"leaf_{tag}-v{CACHE_VERSION}-{digest[:24]}", build)
-
-
-def natural_dataset(name: str, a: dict, num_classes: int, text: bool, source: str,
-                    vocab_size: int | None = None) -> Dataset:
-    """A Dataset of natural clients from per-user arrays (train_x, train_y, groups, test_x,
-    test_y, test_groups, names): the test samples of users who also train join the
-    training arrays as ``held_out`` (each one's local test split under the natural
-    partition; never trained on); every test sample is in the global test set. Text ids
-    keep their dtype (uint8 characters, int16 words)."""
-    mean, std = ((0.0,), (1.0,)) if text else channel_stats(_tensor(a["train_x"], np.uint8))
-    x_dtype = a["train_x"].dtype if text else np.uint8
-    own = a["test_groups"] >= 0
-    held = np.concatenate([np.zeros(len(a["train_y"]), bool), np.ones(int(own.sum()), bool)])
-    return Dataset(name, _tensor(np.concatenate([a["train_x"], a["test_x"][own]]), x_dtype),
-                   _tensor(np.concatenate([a["train_y"], a["test_y"][own]]), np.int64),
-                   _tensor(a["test_x"], x_dtype), _tensor(a["test_y"], np.int64), num_classes,
-                   mean, std, source, modality="text" if text else "image",
-                   groups=_tensor(np.concatenate([a["groups"], a["test_groups"][own]]), np.int64),
-                   group_names=list(a["names"]), test_groups=_tensor(a["test_groups"], np.int64),
-                   held_out=torch.from_numpy(held), vocab_size=vocab_size)
+    return cache.keep(where and where / f"leaf_{tag}-v{CACHE_VERSION}-{digest[:24]}",
+                      lambda into: load(f"leaf_{kind}", kind, data_dir, **options, folder=into))
 
 
 _HINT = ("user-supplied: data_dir = LEAF's data/ folder of the dataset after preprocess.sh "

@@ -1,11 +1,10 @@
-"""A Dataset of natural clients built one client at a time (TFF's files: 342,477
-StackOverflow users do not fit a node's memory as windows): each client's samples go
-straight into .npy files in the cache folder being written (fedmpi.data.cache), or into
-memory where there is no cache, and the Dataset is what
-``fedmpi.data.leaf.natural_dataset`` makes of the same arrays, bit for bit: the train
-file's samples in client order, then the test samples of clients that also train
-(``held_out``: each one's local test split, never trained on), and every test sample in
-the global test set (``test_groups``: its client, -1 for one that does not train).
+"""A Dataset of natural clients built one client at a time (LEAF's shards, TFF's files:
+342,477 StackOverflow users do not fit a node's memory as windows): each client's samples
+go straight into .npy files in the cache folder being written (fedmpi.data.cache), or
+into memory where there is no cache. The Dataset: the train file's samples in client
+order, then the test samples of clients that also train (``held_out``: each one's local
+test split under the natural partition, never trained on), and every test sample in the
+global test set (``test_groups``: its client, -1 for one that does not train).
 """
 
 from __future__ import annotations
