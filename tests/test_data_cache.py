@@ -107,3 +107,43 @@ def test_tff_files_stream_into_the_cache_one_client_at_a_time(tmp_path, kind):
     with pytest.raises(Exception, match="is not a readable HDF5 file"):
         load_dataset(name, str(broken), **options)
     assert not list((broken / ".fedmpi-cache").iterdir())
+
+
+def test_two_processes_building_one_cache_at_once_agree(tmp_path):
+    """Two real processes load the same TFF files at the same moment: both finish, with
+    the same arrays, one cache folder and no temporary folder left."""
+    import subprocess
+    import tff_fixtures
+
+    folder = tff_fixtures.write_emnist(tmp_path / "emnist", clients=40, per_client=30)
+    probe = ("import sys; from fedmpi.data import load_dataset; "
+             "ds = load_dataset('tff_emnist', sys.argv[1]); print(ds.sha256(), bool(ds.mapped_from))")
+    procs = [subprocess.Popen([sys.executable, "-c", probe, str(folder)], cwd=ROOT,
+                              stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=120)[0].split() for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert outs[0] == outs[1] and outs[0][1] == "True"
+    assert len([p for p in (folder / ".fedmpi-cache").iterdir()]) == 1
+
+
+def test_a_build_killed_outright_leaves_a_folder_the_next_build_removes(femnist):
+    """A temporary folder named for a process that is gone (killed mid-build) goes at the
+    next build on the host; one of a live process stays."""
+    import os
+    import socket
+    import subprocess
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    host = socket.gethostname()
+    ds = load_dataset("leaf_femnist", str(femnist))
+    path = cache.Path(ds.mapped_from)
+    dead = path.parent / f".{path.name}.{host}.{gone.pid}-abc123"
+    live = path.parent / f".{path.name}.{host}.{os.getpid()}-def456"
+    for folder in (dead, live):
+        folder.mkdir()
+        (folder / "train_x.npy").write_bytes(b"half")
+    import shutil
+    shutil.rmtree(path)   # the cache must be built again: the stale folder is found then
+    load_dataset("leaf_femnist", str(femnist))
+    assert not dead.exists() and live.exists()

@@ -13,7 +13,9 @@ and a dataset larger than memory trains (on CPU workers; a GPU worker copies the
 training set to its device). A Dataset so made says where its arrays are
 (``Dataset.mapped_from``), and ``Comm.node_shared`` lets each rank map them itself.
 A cache that cannot be written (no writable folder, a full disk) is skipped: the
-Dataset is returned in memory, as built.
+Dataset is returned in memory, as built. A build killed outright leaves its temporary
+folder (named for its host and pid); the next build on that host removes those of
+processes that are gone.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 from typing import Callable
@@ -28,6 +31,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ..results import liveness
 from .sources import Dataset
 
 VERSION = 1
@@ -66,7 +70,10 @@ def keep(path: Path | None, build: Callable[[Path | None], object]):
     if path is not None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            partial = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+            for stale in liveness.left_by_the_dead(path.parent, f".{path.name}.", "-*"):
+                shutil.rmtree(stale, ignore_errors=True)   # a build killed outright
+            prefix = f".{path.name}.{socket.gethostname()}.{os.getpid()}-"
+            partial = Path(tempfile.mkdtemp(prefix=prefix, dir=path.parent))
         except OSError:
             partial = None
     try:
