@@ -25,7 +25,8 @@ ids before it (right-padded with 0) and the id at it, which the lstm with ``pad_
 predicts exactly as TFF's masked sequence model does (10,004 ids and classes).
 ``max_clients = N`` reads the first N train clients only (h5py reads those groups and
 nothing else) and only their test examples: the full file's 342,477 clients and 135
-million posts, as windows, do not fit a node's memory. The files' sha256 (and the word
+million posts make some two billion samples, over 100 GB as the cache's arrays (which
+are built one client at a time and mapped, never held whole). The files' sha256 (and the word
 counts') is the dataset's provenance. The Dataset is read once and kept as mapped .npy
 files keyed by those digests and the options (fedmpi.data.cache), so later runs, and
 every rank, map it instead of reading the HDF5 files again. A file of another task
