@@ -86,6 +86,7 @@ class GroupModel:
         # CPU only (faster there; on a GPU NCHW is, see group_chain; tests may set it)
         self.nhwc = flat.channels_last and self.rows.device.type == "cpu"
         self._views: dict[int, RowViews] = {}   # a -> views of rows[:a] (``views``)
+        self._inside: dict[tuple[int, int], list[int]] = {}   # span -> its slots (``inside``)
         # the chain's class ids, for its one-hot (F.one_hot would sync a GPU every step)
         self.classes = None if self.chain is None else \
             torch.arange(self.chain[-1].shape[0], device=self.rows.device)
@@ -172,6 +173,14 @@ class GroupModel:
         return group_chain.chain_pieces(self.chain, self.views(a).layers, x, y, weights,
                                         self.classes, self.flat.channels_last, self.nhwc)
 
+    def inside(self, span: tuple[int, int]) -> list[int]:
+        """The slots within the run of coordinates ``span``, found once a span (a step
+        takes it from here, not by scanning the layout)."""
+        if span not in self._inside:
+            self._inside[span] = [i for i, slot in enumerate(self.slots)
+                                  if span[0] <= slot[2] < span[1]]
+        return self._inside[span]
+
     def descend_pieces(self, a: int, pieces: list[torch.Tensor], lr, grad_clip: float,
                        span: tuple[int, int] | None = None) -> None:
         """The plain step (no correction, weight decay or momentum) of the first a rows,
@@ -180,7 +189,7 @@ class GroupModel:
         inside this run of coordinates step (and are clipped together)."""
         slices = self.views(a).slices
         if span is not None:
-            inside = [i for i, slot in enumerate(self.slots) if span[0] <= slot[2] < span[1]]
+            inside = self.inside(span)
             pieces, slices = [pieces[i] for i in inside], [slices[i] for i in inside]
         scale = lr
         if grad_clip > 0:

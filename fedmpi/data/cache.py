@@ -87,7 +87,7 @@ def keep(path: Path | None, build: Callable[[Path | None], object]):
             shutil.rmtree(partial, ignore_errors=True)
 
 
-def _store(partial: Path, path: Path, dataset) -> bool:
+def _store(partial: Path, path: Path, dataset) -> None:
     """The arrays ``build`` did not write, and meta.json, into ``partial``; then renamed
     to ``path`` in one step."""
     try:
@@ -99,9 +99,8 @@ def _store(partial: Path, path: Path, dataset) -> bool:
         meta["mean"], meta["std"] = list(meta["mean"]), list(meta["std"])
         (partial / "meta.json").write_text(json.dumps({"version": VERSION, **meta}))
         os.replace(partial, path)   # fails where another writer's is there: theirs stays
-        return True
     except OSError:
-        return False
+        pass   # no cache this time (a full disk), or another writer's: keep maps what is there
 
 
 def _mapped(path: Path):
