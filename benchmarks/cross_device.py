@@ -9,10 +9,11 @@ the same rounds (setup excluded) in one run:
 - ``bare``: the sequential loop a researcher writes (torch.optim.SGD, the dataset
   normalised once, fedmpi's batch order), 2 threads;
 - ``seq``: ``fedmpi run``, one process, clients one after another (client_group 1);
-- ``groups``: ``fedmpi run``, one process, ``system.client_group = "auto"`` (all 50);
+- ``groups``: ``fedmpi run``, one process, ``system.client_group = "auto"`` (all 50
+  when the setup's probe times the group faster, else 1: the file's
+  ``client_group_probe``; ``--group 50`` forces the group);
 - ``seq-n3`` / ``groups-n3``: the same under ``mpirun -n 3`` (server + 2 workers,
-  1 thread each; "auto" gives 1 for one-thread CPU workers, ``--group 25`` a group of 25
-  a worker).
+  1 thread each; ``--group 25`` a group of 25 a worker).
 
 Prints the median seconds per training round (the last round, which also scores the
 test set, left out; a group run pays torch.func's one-time start-up at setup), the final
@@ -234,8 +235,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     ap.add_argument("--group", type=lambda v: v if v == "auto" else int(v), default="auto",
-                    help='system.client_group of the groups variants (default "auto", which '
-                         'is 1 for one-thread CPU workers, as under mpirun -n 3 on 2 cores)')
+                    help='system.client_group of the groups variants (default "auto": the '
+                         'group where the setup probe times it faster, else 1)')
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     add_set_option(ap)
     ap.add_argument("--batches", action="store_true",

@@ -467,16 +467,74 @@ def run_tiny(tmp_path, name, **over):
 @pytest.mark.parametrize("model,threads,algorithm,expected", [
     ("2nn", 2, "fedavg", 5), ("2nn", 1, "fedavg", 1), ("cnn", 2, "fedavg", 5),
     ("cnn", 1, "fedavg", 1), ("cnn-vmap", 2, "fedavg", 1), ("2nn", 2, "fedmim", 1)])
-def test_auto_groups_only_where_they_are_faster(tmp_path, model, threads, algorithm, expected):
-    """On CPU workers "auto" trains in groups only with more than one thread and where
-    no convolution is left to vmap (benchmarks/cross_device.py): the CNN's hand-written
-    gradient groups, the CNN with a projection head (vmap) does not; and only methods
-    with a group form; the file says what it chose."""
+def test_deterministic_auto_follows_the_rule(tmp_path, model, threads, algorithm, expected):
+    """A deterministic run does not time (its bits would follow the timing): on CPU
+    workers "auto" groups only with more than one thread and where no convolution is left
+    to vmap (benchmarks/cross_device.py): the CNN's hand-written gradient groups, the CNN
+    with a projection head (vmap) does not; and only methods with a group form; the file
+    says what it chose and holds no probe."""
     models = {"2nn": {"name": "2nn", "hidden": [16]}, "cnn": {}, "cnn-vmap": GROUP_FORMS[1]}
     with run_tiny(tmp_path, "auto", rounds=1, model=models[model],
                   algorithm={"name": algorithm},
-                  system={"threads": threads, "client_group": "auto"}) as run:
+                  system={"threads": threads, "client_group": "auto",
+                          "deterministic": True}) as run:
         assert run.attrs["client_group"] == expected
+        assert "client_group_probe" not in run.attrs
+
+
+@pytest.mark.parametrize("times,expected", [((1.0, 0.5), 5), ((1.0, 0.99), 1), ((1.0, 2.0), 1)])
+def test_auto_chooses_what_the_probe_timed_faster(tmp_path, monkeypatch, times, expected):
+    """Not deterministic, on a CPU: "auto" groups only when the group step was timed at
+    least PROBE_MARGIN (5%) faster than the same clients one by one, and the file records
+    both times and the choice."""
+    from fedmpi.runtime import grouping
+
+    calls = []
+    monkeypatch.setattr(grouping, "probe", lambda flat, g, *a, **k: calls.append(g) or times)
+    with run_tiny(tmp_path, "auto", rounds=1, model={"name": "2nn", "hidden": [16]},
+                  system={"threads": 1, "client_group": "auto"}) as run:
+        assert calls == [5]   # the memory-bound size, timed once, on the one worker
+        assert run.attrs["client_group"] == expected
+        assert run.attrs["client_group_probe"] == {
+            "group": 5, "sequential_s": times[0], "group_s": times[1], "chosen": expected}
+
+
+@pytest.mark.parametrize("name", ["2nn", "cnn"])
+def test_the_probe_times_both_paths_and_changes_nothing(name):
+    """The real probe, on the 2NN's hand-written gradient and the CNN's: two positive
+    times, and the model's parameters and gradient buffer as they were."""
+    from fedmpi.runtime.grouping import probe
+
+    torch.manual_seed(0)
+    options = {"hidden": [16]} if name == "2nn" else \
+        {k: v for k, v in TINY["model"].items() if k != "name"}
+    net = build_model(name, 1, 10, 16, **options)
+    flat = FlatModel(net)
+    before = flat.params.detach().clone()
+    sequential, grouped = probe(flat, 4, 8, (1, 16, 16), 10, None, passes=1)
+    assert sequential > 0 and grouped > 0
+    assert torch.equal(flat.params, before)
+    assert not flat.grads.any()
+
+
+def test_a_resumed_auto_run_keeps_the_group_its_file_chose(tmp_path, monkeypatch):
+    """The probe could choose otherwise on the resume (another machine, another load):
+    here groups win the first time and lose every time after. The resumed run keeps the
+    file's size without timing again, so it goes on bit for bit."""
+    from fedmpi.runtime import grouping
+    from helpers import run_and_resume
+
+    calls = []
+    monkeypatch.setattr(grouping, "probe",
+                        lambda *a, **k: calls.append(1) or ((1.0, 0.5) if len(calls) == 1 else (1.0, 2.0)))
+    values = merged(TINY, rounds=3, system={"threads": 1, "client_group": "auto"})
+    values["model"] = {"name": "2nn", "hidden": [16]}
+    crashed, exp = run_and_resume(values, tmp_path)
+    assert exp.group == 5 and len(calls) == 1
+    with RunFile(tmp_path / "ref.h5") as a, RunFile(crashed) as b:
+        assert a.attrs["client_group"] == 5
+        assert b.attrs["resumes"][-1]["client_group"] == 5
+        np.testing.assert_array_equal(a.model(), b.model())
 
 
 def test_a_grouped_run_of_the_padded_cnn_follows_the_sequential_run(tmp_path):

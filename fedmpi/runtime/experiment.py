@@ -50,7 +50,7 @@ from .poison import poisoning
 from .records import (CLIENT_FIELDS, RANK_FIELDS, ROUND_FIELDS, Timers, Traffic, client_columns,
                       gather_ranks, rank_columns, round_row, start_row, unrecorded)
 from .rng import key_seed, seed_global
-from .runfile import create_file, resume_file
+from .runfile import create_file, recorded_group, resume_file
 from .scoring import evaluator
 from .dp import calibrate_sample, private_steps, server_stages
 from .stages import client_stages
@@ -96,7 +96,10 @@ class Experiment:
             if cfg.robust.aggregator == "fltrust" else np.zeros(0, dtype=np.int64)
         # Placement balances local steps, which is what training time is proportional to.
         self.steps = -(-self.sizes // cfg.train.batch_size)
-        self.group = client_group(cfg, comm, self.flat, self.d, self.device, self.autocast)
+        self.group, self.group_probe = client_group(
+            cfg, comm, self.flat, self.d, self.device, self.autocast,
+            sample=(tuple(world.dataset.train_x.shape[1:]), world.dataset.num_classes),
+            recorded=recorded_group(cfg.output_path()) if self.resume and comm.is_server else None)
         if self.group > 1 and comm.is_worker:
             group_sgd.warm_up(self.flat, self.autocast)
         self.ranks = comm.gather_obj(rank_info(comm, world), count=False)

@@ -22,6 +22,19 @@ from .partial import PrivateLayers
 from .records import RANK_FIELDS, ROUND_FIELDS, client_fields
 
 
+def recorded_group(path) -> int | None:
+    """The client group a run's file trained with last (its latest resume's, else its
+    start's): what a resumed ``"auto"`` keeps. None where the file has none."""
+    try:
+        with RunFile(path) as run:
+            attrs = dict(run.attrs)
+    except (OSError, ValueError, KeyError):
+        return None
+    starts = [attrs] + list(attrs.get("resumes", []))
+    groups = [r["client_group"] for r in starts if r.get("client_group")]
+    return int(groups[-1]) if groups else None
+
+
 def create_file(exp, dataset, ranks) -> bool:
     """A new results file; returns False: its initial model is not evaluated yet."""
     cfg, comm = exp.config, exp.comm
@@ -38,6 +51,8 @@ def create_file(exp, dataset, ranks) -> bool:
         "writer": liveness.identity(), "eval_batch_size": exp.eval_batch,
         "client_group": exp.group,
     }
+    if exp.group_probe:   # what "auto" timed before it chose (fedmpi.runtime.grouping)
+        provenance["client_group_probe"] = exp.group_probe
     try:   # where the config's relative paths point from, for --resume and evaluate
         provenance["cwd"] = os.getcwd()
     except OSError:   # removed meanwhile: the paths resolve from wherever a resume runs
