@@ -414,6 +414,38 @@ def check_group_batches(device, modality, augment, skew, channels_last, split):
     assert [len(y) for _, y, _ in got] == [7, 7, 4, 4, 3, 3, 1, 1]
 
 
+@pytest.mark.parametrize("modality,augment,skew,channels_last,split", GROUP_BATCH_CASES)
+@pytest.mark.parametrize("gather_bytes", [1, 3 * 10 * 108, 8 << 20])
+def test_a_clients_batches_gathered_in_spans_are_its_batches(monkeypatch, modality, augment,
+                                                            skew, channels_last, split,
+                                                            gather_bytes):
+    """``batches`` gathers up to GATHER_BYTES of batches with one index and slices them:
+    the same batches, bit for bit and in the same layout, as a gather per batch, whether
+    a span is one batch, three, or the whole epoch (a client of 37 over two epochs)."""
+    from fedmpi.runtime import clientdata
+
+    monkeypatch.setattr(clientdata, "GATHER_BYTES", gather_bytes)
+    g = torch.Generator().manual_seed(3)
+    shape = {"image": (3, 6, 6), "gray": (1, 6, 6), "text": (7,), "tabular": (5,)}[modality]
+    x = torch.randint(0, 256, (130, *shape), generator=g, dtype=torch.uint8)
+    if modality == "tabular":
+        x = x.float()
+    dataset = SimpleNamespace(train_x=x, train_y=torch.randint(0, 10, (130,), generator=g),
+                              test_x=x.flip(0), test_y=torch.arange(130),
+                              modality="image" if modality == "gray" else modality,
+                              mean=(0.5, 0.4, 0.3)[:shape[0]], std=(0.2, 0.3, 0.25)[:shape[0]])
+    data = DeviceData(dataset, torch.device("cpu"), augment=augment, crop_padding=2, flip=True,
+                      channels_last=channels_last)
+    client = data.client(np.arange(40, 77), 5, 2, 9, 0, split=split, skew=skew)
+    got = list(client.batches(2, 10))
+    again = data.client(np.arange(40, 77), 5, 2, 9, 0, split=split, skew=skew)
+    want = [(data.prepare(again.x[b], aug, skew, None), again.y[b])
+            for b, aug in again._index_batches(2, 10)]
+    assert [len(y) for _, y in got] == [10, 10, 10, 7] * 2
+    for (x1, y1), (x2, y2) in zip(got, want, strict=True):
+        assert x1.stride() == x2.stride() and torch.equal(x1, x2) and torch.equal(y1, y2)
+
+
 def test_a_group_of_one_and_equal_clients():
     assert_same_uploads(*both_paths("fedavg", context(), sizes=(5,)))
     assert_same_uploads(*both_paths("fedavg", context(), sizes=(8, 8, 8)))
