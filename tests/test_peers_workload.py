@@ -38,8 +38,33 @@ def small_w2(rounds: int = 2) -> dict:
 def test_export_refuses_more_than_one_epoch(tmp_path):
     values = small_w2()
     values["train"]["local_epochs"] = 2
-    with pytest.raises(SystemExit, match="local_epochs must be 1"):
+    with pytest.raises(ValueError, match="train.local_epochs must be 1 .*got 2"):
         export(values, tmp_path / "w.npz")
+    assert not (tmp_path / "w.npz").exists()
+
+
+def test_compare_refuses_a_missing_peer_venv_before_any_work(tmp_path):
+    proc = subprocess.run([sys.executable, str(PEERS / "compare.py"), "w2", "--venvs",
+                           str(tmp_path / "none"), "--variants", "bare", "flower"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"compare.py: error: variant flower: no {tmp_path / 'none' / 'flower'}; make it "
+        f"with bash benchmarks/peers/make_venvs.sh flower")
+
+
+def test_a_variant_with_other_steps_fails_the_comparison(tmp_path):
+    """The comparison is only of the same work: a runner that took one step less (a
+    batch lost at a client's end, a cohort cut short) stops the script."""
+    from compare import summarise
+
+    params = tmp_path / "p.npy"
+    np.save(params, np.zeros(3, np.float32))
+    row = {"rounds": [1.0, 1.0], "steps": 100, "acc": 0.5, "params": str(params), "peak_mb": 1.0}
+    assert [r["variant"] for r in summarise([("bare", row), ("pfl", dict(row))], 100)] == \
+        ["bare", "pfl"]
+    with pytest.raises(SystemExit, match="flower: 99 SGD steps, the workload has 100"):
+        summarise([("bare", row), ("flower", {**row, "steps": 99})], 100)
 
 
 @pytest.mark.slow

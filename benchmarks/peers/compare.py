@@ -124,11 +124,10 @@ def fedmpi_variant(variant: str, meta: dict, tmp: Path, threads: int) -> dict:
     return {**result, "params": str(tmp / f"{variant}.npy"), "peak_mb": peak}
 
 
-def script_variant(variant: str, workload: Path, tmp: Path, threads: int) -> dict:
+def script_variant(variant: str, workload: Path, tmp: Path, threads: int,
+                   venvs: Path = VENVS) -> dict:
     name = variant.split("-")[0]
-    python = sys.executable if name == "bare" else str(VENVS / name / "bin" / "python")
-    if not Path(python).exists():
-        raise SystemExit(f"{variant}: no {python}; run bash benchmarks/peers/make_venvs.sh {name}")
+    python = sys.executable if name == "bare" else str(venvs / name / "bin" / "python")
     cmd = [python, str(HERE / f"run_{name}.py"), str(workload), str(tmp), "--threads", str(threads)]
     if variant == "flower-2":
         cmd += ["--actors", "2"]
@@ -164,10 +163,19 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", choices=VARIANTS,
                     default=["bare", "fedmpi", "fedmpi-groups", "pfl", "flower", "bare"])
     ap.add_argument("--json", type=Path, help="also write the rows here")
+    ap.add_argument("--venvs", type=Path, default=VENVS,
+                    help="where make_venvs.sh made the peers' venvs (default %(default)s)")
     args = ap.parse_args()
     sys.path.insert(0, str(HERE))
     from export import config_values, export
 
+    if args.rounds < 2:
+        ap.error(f"--rounds must be at least 2 (round 1 is each framework's warm-up), got {args.rounds}")
+    for variant in args.variants:   # before any work: a missing venv is known now
+        name = variant.split("-")[0]
+        if name in ("pfl", "flower") and not (args.venvs / name / "bin" / "python").exists():
+            ap.error(f"variant {variant}: no {args.venvs / name}; make it with "
+                     f"bash benchmarks/peers/make_venvs.sh {name}")
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         workload = tmp / "workload.npz"
@@ -177,7 +185,7 @@ def main() -> None:
             if variant.startswith("fedmpi"):
                 r = fedmpi_variant(variant, meta, tmp, args.threads)
             else:
-                r = script_variant(variant, workload, tmp, args.threads)
+                r = script_variant(variant, workload, tmp, args.threads, args.venvs)
             results.append((variant, r))
             print(f"{variant}: {statistics.median(r['rounds'][1:] or r['rounds']):.3f} s a round, "
                   f"peak {r['peak_mb']:.0f} MB, acc {r['acc']:.4f}", file=sys.stderr, flush=True)

@@ -49,7 +49,9 @@ def config_values(name: str, rounds: int, model: str) -> dict:
 def export(values: dict, out: Path) -> dict:
     c, data, part, model = setup(values)
     if c.train.local_epochs != 1:
-        raise SystemExit("export: train.local_epochs must be 1 (peers cut one epoch's batches)")
+        raise ValueError(f"train.local_epochs must be 1 for the peers (a framework iterating "
+                         f"one ordered dataset cannot cut a fresh permutation per epoch), "
+                         f"got {c.train.local_epochs}")
     rounds, per_round = c.rounds, c.clients.per_round
     clients = np.stack([sample_clients(c.seed, t, c.clients.num, per_round) for t in range(rounds)])
     orders, offsets = [], [0]
@@ -86,7 +88,12 @@ def main() -> None:
                     help="W2's model (W1 is always its 820-wide CNN)")
     ap.add_argument("-o", "--out", type=Path, required=True)
     args = ap.parse_args()
-    meta = export(config_values(args.workload, args.rounds, args.model), args.out)
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
+    try:
+        meta = export(config_values(args.workload, args.rounds, args.model), args.out)
+    except ValueError as e:
+        ap.error(str(e))
     print(json.dumps({"steps": meta["steps"], "out": str(args.out)}))
 
 
