@@ -56,15 +56,16 @@ def probe(flat, g: int, batch_size: int, sample_shape: tuple, num_classes: int, 
     grouped, n = x.view(g, batch_size, *shape), flat.num_params
     model, saved = group_sgd.group_model(flat), flat.params.detach().clone()
     model.buffer(g).copy_(flat.params.expand(g, -1))
-    loss = local_sgd.autocast(local_sgd.cross_entropy,
-                              type("Task", (), {"autocast": autocast, "device": flat.params.device}))
-    sync = torch.cuda.synchronize if flat.params.device.type == "cuda" else (lambda: None)
+    device_type = flat.params.device.type
+    sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
 
-    def one_by_one():
+    def one_by_one():   # local_sgd.train's step: bf16 forward and loss where the run's is
         flat.module.train()
         for i in range(g):
             flat.zero_grad()
-            loss(flat.module, x[i * batch_size:(i + 1) * batch_size], y[i]).backward()
+            with torch.autocast(device_type, dtype=autocast, enabled=autocast is not None):
+                loss = local_sgd.cross_entropy(flat.module, x[i * batch_size:(i + 1) * batch_size], y[i])
+            loss.float().backward()
             local_sgd.sgd_step(flat.params[:n], flat.grads[:n], 0.0, 0.0, 0.0, None, 0.0, False)
         sync()
 
