@@ -549,6 +549,19 @@ def test_the_probe_times_both_paths_and_changes_nothing(name):
     assert not flat.grads.any()
 
 
+def test_the_probe_times_one_pass_after_a_long_warm_up(monkeypatch):
+    """A step that takes long (ResNet-18 on a CPU: seconds) is timed once after its
+    warm-up, not three times: the set-up stays short; a quick one gets three passes."""
+    from fedmpi.runtime import grouping
+
+    calls = []
+    assert grouping._best(3, lambda: calls.append(1)) >= 0 and len(calls) == 4
+    monkeypatch.setattr(grouping, "PROBE_LONG", -1.0)   # every warm-up counts as long
+    calls.clear()
+    grouping._best(3, lambda: calls.append(1))
+    assert len(calls) == 2
+
+
 def test_a_resumed_auto_run_keeps_the_group_its_file_chose(tmp_path, monkeypatch):
     """The probe could choose otherwise on the resume (another machine, another load):
     here groups win the first time and lose every time after. The resumed run keeps the

@@ -28,11 +28,15 @@ def group_memory(device: torch.device) -> int:
 
 
 PROBE_PASSES = 3     # timed passes of each path after one warm-up; the fastest counts
+PROBE_LONG = 0.5     # seconds: a warm-up longer than this is followed by one timed pass
 PROBE_MARGIN = 1.05  # a group must be this much faster: it holds G rows, not one model
 
 
 def _best(passes: int, work) -> float:
+    start = time.perf_counter()
     work()   # warm-up: allocations, torch.func's first transform, caches
+    if time.perf_counter() - start > PROBE_LONG:   # a large model: setup stays short
+        passes = 1
     best = float("inf")
     for _ in range(passes):
         start = time.perf_counter()
@@ -44,7 +48,8 @@ def _best(passes: int, work) -> float:
 def probe(flat, g: int, batch_size: int, sample_shape: tuple, num_classes: int, autocast,
           passes: int = PROBE_PASSES) -> tuple[float, float]:
     """(seconds of g clients' SGD steps one after another, seconds of the same steps as
-    one group step), each the fastest of ``passes`` after a warm-up, on random batches
+    one group step), each the fastest of ``passes`` after a warm-up (one pass where the
+    warm-up took more than PROBE_LONG: a large model's step), on random batches
     of the data's shape (the float layout the data path hands the model). The steps use
     lr 0 and the parameters are restored: the probe changes nothing a run computes."""
     gen = torch.Generator().manual_seed(0)
