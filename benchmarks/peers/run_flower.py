@@ -29,7 +29,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from common import cli, finish, load_once, loss
@@ -138,5 +137,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    np.seterr(all="ignore")
     main()
