@@ -74,3 +74,18 @@ def test_readme_check_runs_every_command_and_shortens_only_by_its_rules():
 ])
 def test_readme_check_rewrites(line, expected):
     assert readme_check._bash_step(line, runs_seen=1).runs == expected
+
+
+def test_readme_check_with_a_venv_links_it_and_still_runs_every_install_line():
+    plain, linked = readme_check.plan(README), readme_check.plan(README, "/ci/clone/.venv")
+    assert len(plain) == len(linked)
+    changed = [(a, b) for a, b in zip(plain, linked) if a.runs != b.runs]
+    (a, b), = changed                                   # only `python3 -m venv .venv`
+    assert a.readme.startswith("python3 -m venv .venv") and a.runs == a.readme
+    assert b.runs == "ln -s /ci/clone/.venv .venv && . .venv/bin/activate" and b.note
+    assert any(s.runs and s.runs.startswith("pip install torch==") for s in linked)
+
+
+def test_readme_check_refuses_a_venv_without_activate(tmp_path, capsys):
+    assert readme_check.main(["--venv", str(tmp_path)]) == 2
+    assert "--venv" in capsys.readouterr().err

@@ -1,6 +1,6 @@
 """Run README.md's commands, in order, on a fresh clone in a fresh virtual environment.
 
-    python tools/readme_check.py [--repo PATH] [--workdir DIR]
+    python tools/readme_check.py [--repo PATH] [--workdir DIR] [--venv VENV]
 
 A doc test: the README is what a newcomer follows to the letter, so CI runs it the same
 way (`.ci/run`, after the test suite). The repository's committed HEAD is cloned into an
@@ -23,6 +23,11 @@ in the log next to the README's text:
    on a cluster) is checked by resolving its config instead: `fedmpi config` with the same
    preset and overrides, which validates everything but the data.
 4. `fedmpi evaluate` runs its probes for 1-2 epochs (the same two overrides).
+5. With `--venv VENV` (CI's: `.ci/run` has just made VENV with the README's install lines,
+   verbatim, on a fresh clone), the README's `python3 -m venv .venv` becomes a link to
+   VENV: a second CUDA build of torch is ~6 GB of disk, more than some CI machines have
+   left. Every install line after it still runs (pip finds torch and the extras there and
+   points the editable install at the new clone; VENV's is pointed back at the end).
 
 Exit code 0 when every command succeeded, 1 otherwise, with the failing command and the
 tail of its output.
@@ -44,6 +49,7 @@ from pathlib import Path
 TEST_COMMAND = "python -m pytest -q"
 SHORT = ["--set", "rounds=2", "--set", "eval.linear_epochs=2", "--set", "eval.finetune_epochs=1"]
 PROBES_SHORT = SHORT[2:]
+VENV_LINE = re.compile(r"^python3 -m venv \.venv(?= |$)")
 
 
 @dataclass
@@ -93,7 +99,7 @@ def _missing_data_dir(args: list[str]) -> str | None:
     return None
 
 
-def plan(readme: str) -> list[Step]:
+def plan(readme: str, venv: str | None = None) -> list[Step]:
     """The README's commands in order, with the rules of the module docstring applied."""
     steps: list[Step] = []
     runs_seen = 0
@@ -104,7 +110,11 @@ def plan(readme: str) -> list[Step]:
         if language not in ("bash", "sh"):
             continue
         for line in bash_lines(body):
-            steps.append(_bash_step(line, runs_seen))
+            step = _bash_step(line, runs_seen)
+            if venv and VENV_LINE.match(line):   # rule 5
+                step = Step(line, "bash", VENV_LINE.sub(f"ln -s {shlex.quote(venv)} .venv", line),
+                            f"the venv {venv} that .ci/run made with this line")
+            steps.append(step)
             runs_seen += _fedmpi_args(_tokens(line), "run") is not None
     return steps
 
@@ -210,17 +220,28 @@ def main(argv=None) -> int:
     parser.add_argument("--repo", default=str(Path(__file__).resolve().parents[1]))
     parser.add_argument("--workdir", help="where to clone and keep the clone, its venv and the log "
                         "(default: a temporary folder, removed at the end: the venv is ~6 GB)")
+    parser.add_argument("--venv", help="a venv the README's install lines made (CI's): linked "
+                        "instead of `python3 -m venv .venv`, its editable install restored at the end")
     args = parser.parse_args(argv)
-    if args.workdir:
-        return check(args.repo, Path(args.workdir))
-    with tempfile.TemporaryDirectory(prefix="fedmpi-readme-") as work:
-        return check(args.repo, Path(work))
+    venv = str(Path(args.venv).resolve()) if args.venv else None
+    if venv and not (Path(venv) / "bin" / "activate").is_file():
+        print(f"readme_check: --venv {args.venv}: no bin/activate there", file=sys.stderr)
+        return 2
+    try:
+        if args.workdir:
+            return check(args.repo, Path(args.workdir), venv)
+        with tempfile.TemporaryDirectory(prefix="fedmpi-readme-") as work:
+            return check(args.repo, Path(work), venv)
+    finally:
+        if venv:   # the README's `pip install -e` pointed it at the clone: point it back
+            subprocess.run([str(Path(venv) / "bin" / "pip"), "install", "-q", "--no-deps", "-e",
+                            args.repo], check=True, env=clean_environment())
 
 
-def check(repo: str, work: Path) -> int:
+def check(repo: str, work: Path, venv: str | None = None) -> int:
     clone = work / "fedmpi"
     subprocess.run(["git", "clone", "--quiet", repo, str(clone)], check=True)
-    steps = plan((clone / "README.md").read_text())
+    steps = plan((clone / "README.md").read_text(), venv)
     (work / "readme.sh").write_text(script(steps, work))
     print(f"readme_check: {len(steps)} commands from README.md, in {clone}", flush=True)
     start = time.perf_counter()
