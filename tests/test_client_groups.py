@@ -55,6 +55,9 @@ class Samples(ClientData):
                 idx = order[s:s + batch_size]
                 yield self.x[idx], self.y[idx]
 
+    def label_counts(self, num_classes):
+        return torch.bincount(self.y, minlength=num_classes)
+
 
 def clients(sizes, seed=0, side=16):
     g = torch.Generator().manual_seed(seed)
@@ -69,7 +72,7 @@ def context(**over):
     return RoundContext(**{**base, **over})
 
 
-def flat_model(name="cnn", channels_last=False, device="cpu"):
+def flat_model(name="cnn", channels_last=False, device="cpu", alg=None):
     """A small model by name; "cnn-same" is the CNN with padded convolutions (the paper's
     network, ``model.padding = "same"``); "cnn-vmap" is the CNN with its chain set aside,
     so a group differentiates it by torch.func.vmap, not group_chain."""
@@ -80,8 +83,9 @@ def flat_model(name="cnn", channels_last=False, device="cpu"):
         options = {"hidden": 16, "channels": [3, 4]}
         if base == "cnn-same":
             base, options["padding"] = "cnn", "same"
-    flat = FlatModel(build_model(base, 1, 4, 16, **options), device,
-                     channels_last=channels_last)
+    module = alg.build_model(build_model, base, 1, 4, 16, options) if alg is not None \
+        else build_model(base, 1, 4, 16, **options)   # the method's (FedRoD's second head)
+    flat = FlatModel(module, device, channels_last=channels_last)
     if name.endswith("-vmap"):
         group_sgd.group_model(flat).chain = None
     return flat
@@ -100,15 +104,18 @@ def payload_of(alg, flat, ctx):
     return alg.payload(state, ctx)
 
 
-def both_paths(name, ctx, sizes=(9, 9, 6, 3), model="cnn", channels_last=False, params=None):
-    """Sequential uploads and group uploads of the same clients (sizes non-increasing)."""
+def both_paths(name, ctx, sizes=(9, 9, 6, 3), model="cnn", channels_last=False, params=None,
+               states=None):
+    """Sequential uploads and group uploads of the same clients (sizes non-increasing);
+    ``states(alg, flat, x)``: the clients' states (``state_of``'s by default)."""
     alg = algorithms.build(name, params or {})
-    flat = flat_model(model, channels_last)
+    flat = flat_model(model, channels_last, alg=alg)
     data = clients(sizes)
     tasks = [ClientTask(client=i, data=dt, model=flat, device=torch.device("cpu"))
              for i, dt in enumerate(data)]
     payload = payload_of(alg, flat, ctx)
-    states = [state_of(alg, flat.size, i) or None for i in range(len(tasks))]
+    states = states(alg, flat, payload["x"]) if states else \
+        [state_of(alg, flat.size, i) or None for i in range(len(tasks))]
     one = [alg.local_update(t, payload, s, ctx) for t, s in zip(tasks, states)]
     group = alg.local_update_group(tasks, payload, states, ctx)
     return alg, one, group
@@ -136,9 +143,10 @@ def test_every_method_with_a_local_sgd_update_trains_in_groups():
     """Every method whose client runs the shared local SGD step has a group form; the
     ones that train something else (self-supervised heads, MOON's models, FedMIM's
     inertia, FedMRUR's regulariser, FNR-FL's refinement) are refused, not served wrongly."""
-    assert GROUPED == ["apfl", "ditto", "fedacg", "fedadam", "fedavg", "fedavgm", "fedbabu",
-                       "fedbn", "fedcm", "feddyn", "fedexp", "fednova", "fedper", "fedprox",
-                       "fedrep", "fedsam", "lg_fedavg", "mofedsam", "pfedme", "scaffold"]
+    assert GROUPED == ["apfl", "ditto", "fedacg", "fedadam", "fedala", "fedavg", "fedavgm",
+                       "fedbabu", "fedbn", "fedcm", "feddyn", "fedexp", "fednova", "fedper",
+                       "fedprox", "fedrep", "fedrod", "fedsam", "lg_fedavg", "mofedsam", "pfedme",
+                       "scaffold"]
 
 
 @pytest.mark.parametrize("model", ["cnn", "cnn-same", "cnn-vmap", "2nn"])
@@ -149,6 +157,23 @@ def test_group_form_equals_the_sequential_local_update(name, model):
     CNN (unpadded, and padded as the paper's), the 2NN (their hand-written gradients) and
     the CNN under torch.func.vmap (as a model that is no chain of plain layers trains)."""
     assert_same_uploads(*both_paths(name, context(grad_clip=1.0), model=model))
+
+
+@pytest.mark.parametrize("started", [1.0, 2.0])
+def test_fedala_in_groups_aggregates_each_client_as_it_does_alone(started):
+    """Clients with a local model (second participation: W trained until its losses
+    settle; later ones: one pass): each client's theta_hat on its own, then the rows in
+    lock-step, as one client after another."""
+    def states(alg, flat, x):
+        out = []
+        for i in range(4):
+            g = torch.Generator().manual_seed(11 + i)
+            out.append({"theta": x + 0.05 * torch.randn(x.shape, generator=g),
+                        "weights": torch.rand(x.shape, generator=g),
+                        "started": torch.full((1,), started)})
+        return out
+    assert_same_uploads(*both_paths("fedala", context(), states=states,
+                                    params={"max_passes": 3, "threshold": 1e-9}))
 
 
 def test_the_padded_cnn_trains_in_groups_by_its_hand_written_gradient():
@@ -616,7 +641,7 @@ def test_a_grouped_run_follows_the_sequential_run(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["fedper", "lg_fedavg", "fedbn", "fedrep", "fedbabu", "ditto",
-                                  "apfl", "pfedme"])
+                                  "apfl", "pfedme", "fedala", "fedrod"])
 def test_private_layers_train_in_groups_each_client_from_its_own_model(tmp_path, name):
     """FedPer's heads, LG-FedAvg's bodies and FedBN's GroupNorm layers stay with the
     clients, as Ditto's and APFL's personal models do; in a group each row starts from its
@@ -662,7 +687,7 @@ def test_a_grouped_run_that_diverges_stops_as_a_sequential_one_does(tmp_path, mo
 
 @pytest.mark.slow
 @needs_mpi
-@pytest.mark.parametrize("name", ["fedper", "ditto", "apfl", "pfedme"])
+@pytest.mark.parametrize("name", ["fedper", "ditto", "apfl", "pfedme", "fedala", "fedrod"])
 def test_grouped_private_layers_are_bitwise_the_same_for_1_and_3_ranks(tmp_path, name):
     """FedPer, Ditto, APFL and pFedMe in groups of 2: each client's head (personal model) from the store,
     through flat buffers, into its row; 1 process and 3 ranks write the same model and

@@ -17,7 +17,9 @@ round. Then FedAvg's local training from theta_hat; the upload is theta_{i,K} - 
 the server's mean is the mean of the local models, as FedAvg's. A client's first
 participation has no local model yet: it starts from x^t (the authors' clients start
 from a copy of the initial model; here no such copy is kept). Per-client evaluation
-scores theta_i. Messages d down, d up; theta_i and W_i never travel.
+scores theta_i. Messages d down, d up; theta_i and W_i never travel. In a client
+group each client's W trains on its own, then the rows train in lock-step from their
+theta_hat (``local_update_group``).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import local_sgd
+from . import group_sgd, local_sgd
 from .base import Upload, register
 from .fedavg import FedAvg
 from .params import Params, param
@@ -57,19 +59,39 @@ class FedALA(FedAvg):
         return {"theta": d, "weights": d, "started": 1}
 
     def local_update(self, task, payload, client_state, ctx):
-        x, flat = payload["x"], task.model
+        x = payload["x"]
+        start, weights, started = self.local_start(task, ctx, x, client_state)
+        task.model.load(start)
+        loss, steps = local_sgd.train(task, ctx)
+        return self.upload(task, x, task.model.params, weights, started, loss, steps)
+
+    def local_update_group(self, tasks, payload, client_states, ctx):
+        """The group form: each client's adaptive aggregation on its own (it reads the
+        client's batches through the worker's model, one client after another), then
+        FedAvg's local training of every row from its client's theta_hat in lock-step."""
+        x = payload["x"]
+        starts = [self.local_start(t, ctx, x, s) for t, s in zip(tasks, client_states)]
+        rows, losses, steps = group_sgd.train(tasks, torch.stack([s[0] for s in starts]), ctx)
+        return [self.upload(t, x, rows[i], w, on, losses[i], steps[i])
+                for i, (t, (_, w, on)) in enumerate(zip(tasks, starts))]
+
+    def local_start(self, task, ctx, x, client_state):
+        """theta_hat (x where the client has no local model yet), W after this round's
+        training of it, and whether the client had started."""
         started = int(client_state["started"][0])   # host sync: once a client, not a step
-        lo, hi = top_run(flat, self.params.layers)
+        lo, hi = top_run(task.model, self.params.layers)
         weights = client_state["weights"].clone() if started else torch.ones_like(x)
         start = x.clone()
         if started:
-            theta = client_state["theta"]
-            start[lo:hi] = self.aggregate(task, ctx, x, theta, weights, lo, hi, started == 1)
-        flat.load(start)
-        loss, steps = local_sgd.train(task, ctx)
-        upload = Upload(delta=flat.params - x, num_samples=task.data.num_samples, loss=loss,
+            start[lo:hi] = self.aggregate(task, ctx, x, client_state["theta"], weights, lo, hi,
+                                          started == 1)
+        return start, weights, started
+
+    @staticmethod
+    def upload(task, x, params, weights, started, loss, steps) -> Upload:
+        upload = Upload(delta=params - x, num_samples=task.data.num_samples, loss=loss,
                         steps=steps)
-        upload.state = {"theta": flat.params.detach().clone(), "weights": weights,
+        upload.state = {"theta": params.detach().clone(), "weights": weights,
                         "started": torch.full((1,), 2.0 if started else 1.0, device=x.device)}
         return upload
 

@@ -15,7 +15,9 @@ personalised logits training P alone. The body and G are FedAvg's and travel; P 
 private layer (fedmpi.runtime.partial) each client keeps. P starts at zero, so the
 global model (whose P stays the initial one) predicts G(h): ``test_acc`` is the generic
 model's, and per-client evaluation's personal scores are each client's G + P_i.
-Messages: d_shared down and up, d_shared = d - (F + 1) C.
+Messages: d_shared down and up, d_shared = d - (F + 1) C. In a client group each row
+starts from its client's merged model and the same objective is differentiated for every
+row at once (``torch.func.vmap``, each row with its own label counts).
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.func import functional_call, grad_and_value, vmap
 
-from . import local_sgd
+from . import group_sgd, local_sgd
 from .base import register
 from .params import Params
 from .private import PrivateLayers
@@ -51,9 +54,24 @@ class WithPersonalHead(nn.Module):
     def features(self, x: torch.Tensor) -> torch.Tensor:
         return self.base.features(x)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, heads: bool = False):
+        """G(h) + P(h); with ``heads``, the objective's two: the generic logits G(h) and
+        the personalised ones G(h).detach() + P(h.detach()) (a keyword of forward, so
+        that ``torch.func.functional_call`` reaches them)."""
         h = self.base.features(x)
-        return self.base.classifier(h) + self.personal_head(h)
+        generic = self.base.classifier(h)
+        if heads:
+            return generic, generic.detach() + self.personal_head(h.detach())
+        return generic + self.personal_head(h)
+
+
+def rod_loss(generic, personal, y, shift, weights=None) -> torch.Tensor:
+    """BSM(G(h), y) + CE(personal, y): each sample's, weighted (padding: 0), or the mean."""
+    if weights is None:
+        return F.cross_entropy(generic + shift, y) + F.cross_entropy(personal, y)
+    per = F.cross_entropy(generic + shift, y, reduction="none") \
+        + F.cross_entropy(personal, y, reduction="none")
+    return (per * weights).sum()
 
 
 def rod_objective(data):
@@ -63,13 +81,36 @@ def rod_objective(data):
 
     def loss(module, x, y):
         nonlocal shift
-        h = module.features(x)
-        generic = module.classifier(h)
+        generic, personal = module(x, heads=True)
         if shift is None:
             shift = data.label_counts(generic.shape[1]).to(generic.dtype).log()
-        personal = generic.detach() + module.personal_head(h.detach())
-        return F.cross_entropy(generic + shift, y) + F.cross_entropy(personal, y)
+        return rod_loss(generic, personal, y, shift)
     return loss
+
+
+def rod_group_gradient(tasks, num_classes: int):
+    """``rod_objective`` for a client group: a ``group_sgd.train`` hook differentiating
+    every active row's loss at once, each row with its client's label counts."""
+    flat = tasks[0].model
+    module = flat.module
+    shifts = torch.stack([t.data.label_counts(num_classes) for t in tasks]).to(
+        device=flat.params.device, dtype=flat.params.dtype).log()
+
+    def loss(params, x, y, shift, weights=None):
+        generic, personal = functional_call(module, params, (x,), {"heads": True})
+        return rod_loss(generic, personal, y, shift, weights)
+
+    step = vmap(grad_and_value(loss))
+
+    def gradient(model, a, x, y, weights, autocast):
+        with torch.autocast(flat.params.device.type, dtype=autocast, enabled=autocast is not None):
+            if weights is None:
+                grads, losses = step(model.params(a), x, y, shifts[:a])
+            else:
+                grads, losses = step(model.params(a), x, y, shifts[:a], weights)
+        torch.cat(model.pieces(grads, a), dim=1, out=model.grad_rows[:a])
+        return losses.detach(), model.grad_rows[:a]
+    return gradient
 
 
 @register
@@ -90,3 +131,8 @@ class FedRoD(PrivateLayers):
 
     def local_update(self, task, payload, client_state, ctx):
         return local_sgd.local_update(task, payload["x"], ctx, loss_fn=rod_objective(task.data))
+
+    def local_update_group(self, tasks, payload, client_states, ctx):
+        classes = tasks[0].model.module.personal_head.out_features
+        return group_sgd.local_update(tasks, payload["x"], ctx,
+                                      gradient=rod_group_gradient(tasks, classes))

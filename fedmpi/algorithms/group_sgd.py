@@ -161,11 +161,13 @@ class GroupModel:
                 grads, losses = self._grad_mean(self.params(a), x, y)
             else:
                 grads, losses = self._grad_weighted(self.params(a), x, y, weights)
-        pieces = []
-        for name, shape, _, _, nhwc in self.slots:
-            g = grads[name]
-            pieces.append((g.permute(0, 1, 3, 4, 2) if nhwc else g).reshape(a, -1))
-        return losses.detach(), pieces
+        return losses.detach(), self.pieces(grads, a)
+
+    def pieces(self, grads: dict[str, torch.Tensor], a: int) -> list[torch.Tensor]:
+        """A vmapped gradient's named [a, *shape] tensors as [a, numel] pieces in the flat
+        storage order (NHWC-stored 4-D weights permuted back)."""
+        return [(grads[name].permute(0, 1, 3, 4, 2) if nhwc else grads[name]).reshape(a, -1)
+                for name, _, _, _, nhwc in self.slots]
 
     def chain_pieces(self, a: int, x, y, weights):
         """``gradient_pieces`` by hand, for a model that is a chain of plain layers
