@@ -145,8 +145,8 @@ def test_every_method_with_a_local_sgd_update_trains_in_groups():
     inertia, FedMRUR's regulariser, FNR-FL's refinement) are refused, not served wrongly."""
     assert GROUPED == ["apfl", "ditto", "fedacg", "fedadam", "fedala", "fedavg", "fedavgm",
                        "fedbabu", "fedbn", "fedcm", "feddyn", "fedexp", "fednova", "fedper",
-                       "fedprox", "fedrep", "fedrod", "fedsam", "lg_fedavg", "mofedsam", "pfedme",
-                       "scaffold"]
+                       "fedprox", "fedrep", "fedrod", "fedsam", "lg_fedavg", "mofedsam",
+                       "perfedavg", "pfedme", "scaffold"]
 
 
 @pytest.mark.parametrize("model", ["cnn", "cnn-same", "cnn-vmap", "2nn"])
@@ -174,6 +174,16 @@ def test_fedala_in_groups_aggregates_each_client_as_it_does_alone(started):
         return out
     assert_same_uploads(*both_paths("fedala", context(), states=states,
                                     params={"max_passes": 3, "threshold": 1e-9}))
+
+
+@pytest.mark.parametrize("model", ["cnn", "cnn-vmap", "2nn"])
+@pytest.mark.parametrize("sizes", [(9, 9, 6, 3), (13, 9, 8, 5)])
+def test_per_fedavg_hessian_free_in_groups(model, sizes):
+    """Per-FedAvg's Hessian-free meta-steps (three consecutive batches a step, H v under
+    vmap) as one client after another; the clients' batch counts leave 0-2 batches over
+    (dropped), and short last batches are padded."""
+    assert_same_uploads(*both_paths("perfedavg", context(grad_clip=1.0), sizes=sizes,
+                                    model=model, params={"variant": "hf", "alpha": 0.05}))
 
 
 def test_the_padded_cnn_trains_in_groups_by_its_hand_written_gradient():
@@ -641,7 +651,7 @@ def test_a_grouped_run_follows_the_sequential_run(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["fedper", "lg_fedavg", "fedbn", "fedrep", "fedbabu", "ditto",
-                                  "apfl", "pfedme", "fedala", "fedrod"])
+                                  "apfl", "pfedme", "fedala", "fedrod", "perfedavg"])
 def test_private_layers_train_in_groups_each_client_from_its_own_model(tmp_path, name):
     """FedPer's heads, LG-FedAvg's bodies and FedBN's GroupNorm layers stay with the
     clients, as Ditto's and APFL's personal models do; in a group each row starts from its
@@ -687,7 +697,8 @@ def test_a_grouped_run_that_diverges_stops_as_a_sequential_one_does(tmp_path, mo
 
 @pytest.mark.slow
 @needs_mpi
-@pytest.mark.parametrize("name", ["fedper", "ditto", "apfl", "pfedme", "fedala", "fedrod"])
+@pytest.mark.parametrize("name", ["fedper", "ditto", "apfl", "pfedme", "fedala", "fedrod",
+                                  "perfedavg"])
 def test_grouped_private_layers_are_bitwise_the_same_for_1_and_3_ranks(tmp_path, name):
     """FedPer, Ditto, APFL and pFedMe in groups of 2: each client's head (personal model) from the store,
     through flat buffers, into its row; 1 process and 3 ranks write the same model and

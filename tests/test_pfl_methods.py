@@ -208,8 +208,6 @@ def test_a_resumed_run_has_the_same_personal_scores(tmp_path, name):
      "train.optimizer"),
     ({"algorithm": {"name": "fedala", "sample": 0.0}}, "algorithm.sample: must be in (0, 1], got 0.0"),
     ({"algorithm": {"name": "fedala", "window": 1}}, "algorithm.window: must be >= 2, got 1"),
-    ({"algorithm": {"name": "perfedavg"}, "system": {**TINY["system"], "client_group": 2}},
-     "system.client_group: algorithm 'perfedavg' has no group form"),
     ({"algorithm": {"name": "fedrod"}, "system": {**TINY["system"], "client_group": 2},
       "train": {**TINY["train"], "optimizer": "adam"}},
      "system.client_group: train.optimizer 'adam' has no group form"),

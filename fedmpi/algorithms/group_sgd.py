@@ -28,6 +28,7 @@ generator, which a group shares, so models with dropout are refused at config ti
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from typing import Callable, NamedTuple
 
@@ -98,6 +99,12 @@ class GroupModel:
         logits = functional_call(self.flat.module, params, (x,)).float()
         return (F.cross_entropy(logits, y, reduction="none") * weights).sum()
 
+    def loss(self, params, x, y, weights=None):
+        """One row's batch loss at ``params`` (named tensors): the mean, or weighted
+        (padding), as ``gradient`` differentiates it (for hooks composing torch.func)."""
+        return self._mean_loss(params, x, y) if weights is None else \
+            self._weighted_loss(params, x, y, weights)
+
     def buffer(self, g: int) -> torch.Tensor:
         """The first g rows of the group buffer, grown when needed."""
         if self.rows.shape[0] < g:
@@ -118,7 +125,7 @@ class GroupModel:
             rows = self.rows[:a]
             self._views[a] = RowViews(
                 [rows[:, offset:offset + numel] for _, _, offset, numel, _ in self.slots],
-                self._named(rows),
+                self.named(rows),
                 None if self.chain is None else
                 group_chain.layer_params(self.chain, rows, self.flat.channels_last))
         return self._views[a]
@@ -128,7 +135,9 @@ class GroupModel:
         as NCHW views with channels-last strides, as FlatModel's)."""
         return self.views(a).named
 
-    def _named(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    def named(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Named [a, *shape] views of a [a, >= n] tensor laid out as the rows (parameters,
+        or a gradient), NHWC-stored 4-D weights as NCHW views."""
         a, views = rows.shape[0], {}
         for name, shape, offset, numel, nhwc in self.slots:
             piece = rows[:, offset:offset + numel]
@@ -201,6 +210,20 @@ class GroupModel:
             _descend(row_piece, piece, scale)
 
 
+def consecutive(batches, take: int):
+    """A group's batches ``take`` at a time: ((x_1, ..), (y_1, ..), (weights_1, ..)) of the
+    rows that have all ``take`` of them. A client's last batches short of a whole step
+    are dropped, as its stream read ``take`` at a time drops them."""
+    it = iter(batches)
+    while True:
+        part = list(itertools.islice(it, take))
+        if len(part) < take:
+            return
+        a = len(part[-1][1])
+        yield (tuple(x[:a] for x, _, _ in part), tuple(y[:a] for _, y, _ in part),
+               tuple(None if w is None else w[:a] for _, _, w in part))
+
+
 def warm_up(flat: FlatModel, autocast=None) -> None:
     """torch.func's first transform costs ~0.65-1 s of lazy imports and registrations
     (measured on a 2-core CPU); a run whose groups use it pays it at setup, not in the
@@ -260,7 +283,7 @@ def _learning_rates(ctx: RoundContext, active: int, k: int, schedules: list | No
 
 def train(tasks: list[ClientTask], start: torch.Tensor, ctx: RoundContext,
           correction: GroupCorrection | None = None, gradient: GroupGradient | None = None,
-          trainable: tuple[int, int] | None = None
+          trainable: tuple[int, int] | None = None, take: int = 1
           ) -> tuple[torch.Tensor, list[float], list[int]]:
     """E local epochs of every client in ``tasks`` (non-increasing step counts) from
     ``start`` ([d], or [G, d] per client). Returns the final rows [G, d] (a view of the
@@ -281,11 +304,13 @@ def train(tasks: list[ClientTask], start: torch.Tensor, ctx: RoundContext,
     hook, correction, momentum or weight decay a step applies the gradient piece by
     piece (``GroupModel.descend_pieces``). ``trainable``: the run of coordinates the
     steps move, as ``local_sgd.train``'s (clipped, decayed and stepped alone; the other
-    gradients are computed and not used)."""
+    gradients are computed and not used). ``take`` > 1: a step takes that many consecutive
+    batches of each client's stream (Per-FedAvg's D, D'[, D'']; ``consecutive``), handed
+    to ``gradient`` as tuples; a client takes (its batches) // take steps."""
     flat = tasks[0].model
     model = group_model(flat)
     g, n = len(tasks), flat.num_params
-    steps = [t.data.num_steps(ctx.local_epochs, ctx.batch_size) for t in tasks]
+    steps = [t.data.num_steps(ctx.local_epochs, ctx.batch_size) // take for t in tasks]
     if any(a < b for a, b in zip(steps, steps[1:])):
         raise ValueError(f"a client group must come in non-increasing step counts, got {steps}")
     rows = model.buffer(g)
@@ -298,12 +323,14 @@ def train(tasks: list[ClientTask], start: torch.Tensor, ctx: RoundContext,
     totals = torch.zeros(g, device=rows.device)
     batches = type(tasks[0].data).group_batches([t.data for t in tasks], ctx.local_epochs,
                                                ctx.batch_size) if g else iter(())
+    if take > 1:
+        batches = consecutive(batches, take)
     autocast = tasks[0].autocast   # bf16 forward and loss, as local_sgd.autocast
     plain = correction is None and gradient is None and not ctx.momentum and not ctx.weight_decay
     gradient = gradient or GroupModel.gradient
     flat.module.train()
     for k, (x, y, weights) in enumerate(batches):
-        active = len(y)
+        active = len(y[0] if take > 1 else y)
         lr = _learning_rates(ctx, active, k, schedules, rows.device)
         if plain:
             losses, pieces = model.gradient_pieces(active, x, y, weights, autocast)
@@ -324,9 +351,9 @@ def train(tasks: list[ClientTask], start: torch.Tensor, ctx: RoundContext,
 def local_update(tasks: list[ClientTask], x: torch.Tensor, ctx: RoundContext,
                  correction: GroupCorrection | None = None,
                  gradient: GroupGradient | None = None,
-                 trainable: tuple[int, int] | None = None) -> list[Upload]:
+                 trainable: tuple[int, int] | None = None, take: int = 1) -> list[Upload]:
     """The group form of ``local_sgd.local_update``: every client from x ([d], or [G, d]:
     a start of its own, a personalised method's merged model), Delta_i = x_K - x_i."""
-    rows, losses, steps = train(tasks, x, ctx, correction, gradient, trainable)
+    rows, losses, steps = train(tasks, x, ctx, correction, gradient, trainable, take)
     return [Upload(delta=rows[i] - (x if x.dim() == 1 else x[i]), num_samples=t.data.num_samples,
                    loss=losses[i], steps=steps[i]) for i, t in enumerate(tasks)]

@@ -25,7 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from . import local_sgd
+from torch.func import grad, vmap
+
+from . import group_sgd, local_sgd
 from .base import register
 from .fedavg import FedAvg
 from .params import Params, param
@@ -60,6 +62,11 @@ class PerFedAvg(FedAvg):
         batches = grouped(task.data.batches(ctx.local_epochs, ctx.batch_size))
         return local_sgd.local_update(task, x, ctx, gradient_fn=gradient, batches=batches)
 
+    def local_update_group(self, tasks, payload, client_states, ctx):
+        p = self.params
+        return group_sgd.local_update(tasks, payload["x"], ctx, take=3 if p.variant == "hf" else 2,
+                                      gradient=group_meta_gradient(p.alpha, p.variant == "hf"))
+
 
 def meta_gradient(task, xb, yb, loss_fn, alpha: float, hessian: bool) -> torch.Tensor:
     """Fill ``task.model.grads`` with the meta-gradient at the current w for the batches
@@ -82,3 +89,34 @@ def meta_gradient(task, xb, yb, loss_fn, alpha: float, hessian: bool) -> torch.T
             flat._view(flat.grads, s).copy_(h)
         flat.grads.mul_(-alpha).add_(outer)
     return loss
+
+
+def group_meta_gradient(alpha: float, hessian: bool):
+    """``meta_gradient`` for a client group: a ``group_sgd.train`` hook (``take`` 2, or 3
+    with ``hessian``) leaving every active row's meta-gradient in ``grad_rows``; the rows'
+    parameters restored by copy. H v by reverse-over-reverse differentiation of each row's
+    loss on D'' under vmap, as the sequential path's double back-propagation."""
+    hvp = None
+
+    def gradient(model, a, xs, ys, weights, autocast):
+        nonlocal hvp
+        params = model.rows[:a, :model.flat.num_params]
+        saved = params.clone()
+        _, first = model.gradient(a, xs[0], ys[0], weights[0], autocast)
+        params.sub_(first, alpha=alpha)                                      # w_tmp
+        losses, outer = model.gradient(a, xs[1], ys[1], weights[1], autocast)
+        params.copy_(saved)
+        if not hessian:
+            return losses, outer
+        if hvp is None:
+            def product(p, v, x, y, w=None):
+                return grad(lambda q: sum((g * v[k]).sum() for k, g in
+                                          grad(model.loss)(q, x, y, w).items()))(p)
+            hvp = vmap(product)
+        outer = outer.clone()
+        args = (model.params(a), model.named(outer), xs[2], ys[2])
+        with torch.autocast(params.device.type, dtype=autocast, enabled=autocast is not None):
+            hv = hvp(*args) if weights[2] is None else hvp(*args, weights[2])
+        torch.cat(model.pieces(hv, a), dim=1, out=model.grad_rows[:a])
+        return losses, model.grad_rows[:a].mul_(-alpha).add_(outer)
+    return gradient
