@@ -17,7 +17,7 @@ import fedmpi.analysis as fa
 
 ATTACKS = ["none", "sign_flip", "alie", "ipm", "min_max", "label_flip", "backdoor"]
 RULES = ["mean", "median", "trimmed_mean", "krum", "multikrum", "geomed", "bulyan",
-         "centered_clip", "fltrust"]
+         "centered_clip", "fltrust", "normbound"]
 
 
 def cells(runs) -> dict:
