@@ -221,7 +221,8 @@ def main(argv=None) -> int:
     parser.add_argument("--workdir", help="where to clone and keep the clone, its venv and the log "
                         "(default: a temporary folder, removed at the end: the venv is ~6 GB)")
     parser.add_argument("--venv", help="a venv the README's install lines made (CI's): linked "
-                        "instead of `python3 -m venv .venv`, its editable install restored at the end")
+                        "instead of `python3 -m venv .venv`, its editable install restored "
+                        "at the end")
     args = parser.parse_args(argv)
     venv = str(Path(args.venv).resolve()) if args.venv else None
     if venv and not (Path(venv) / "bin" / "activate").is_file():

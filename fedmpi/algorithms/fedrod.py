@@ -103,13 +103,9 @@ def rod_group_gradient(tasks, num_classes: int):
     step = vmap(grad_and_value(loss))
 
     def gradient(model, a, x, y, weights, autocast):
-        with torch.autocast(flat.params.device.type, dtype=autocast, enabled=autocast is not None):
-            if weights is None:
-                grads, losses = step(model.params(a), x, y, shifts[:a])
-            else:
-                grads, losses = step(model.params(a), x, y, shifts[:a], weights)
-        torch.cat(model.pieces(grads, a), dim=1, out=model.grad_rows[:a])
-        return losses.detach(), model.grad_rows[:a]
+        args = (x, y, shifts[:a]) if weights is None else (x, y, shifts[:a], weights)
+        losses, pieces = model.vmapped(step, a, args, autocast)
+        return losses, model.concatenated(a, pieces)
     return gradient
 
 

@@ -153,8 +153,12 @@ class GroupModel:
         batch per row (x [a, B, ...], y [a, B]; ``weights`` [a, B]: 1/n_real for a row's
         real samples and 0 for padding, None when every batch is full: the plain mean)."""
         losses, pieces = self.gradient_pieces(a, x, y, weights, autocast)
+        return losses, self.concatenated(a, pieces)
+
+    def concatenated(self, a: int, pieces: list[torch.Tensor]) -> torch.Tensor:
+        """The pieces written into ``grad_rows[:a]`` (one concatenation), returned."""
         torch.cat(pieces, dim=1, out=self.grad_rows[:a])
-        return losses, self.grad_rows[:a]
+        return self.grad_rows[:a]
 
     def by_hand(self, autocast=None) -> bool:
         """Whether a step is ``chain_pieces`` (a chain of plain layers in FP32), not vmap's."""
@@ -165,11 +169,17 @@ class GroupModel:
         concatenated: a plain step applies them where they are (``descend_pieces``)."""
         if self.by_hand(autocast):
             return self.chain_pieces(a, x, y, weights)
+        if weights is None:
+            return self.vmapped(self._grad_mean, a, (x, y), autocast)
+        return self.vmapped(self._grad_weighted, a, (x, y, weights), autocast)
+
+    def vmapped(self, step, a: int, args: tuple, autocast=None):
+        """(losses [a] detached, pieces) of ``step`` (a ``vmap(grad_and_value(loss))``,
+        the loss's first argument a row's named parameters) at the first a rows, with
+        ``args`` batched along the rows, under the run's autocast: the default loss's
+        gradient, and a hook's own loss (FedRoD's, Per-FedAvg's H v)."""
         with torch.autocast(self.rows.device.type, dtype=autocast, enabled=autocast is not None):
-            if weights is None:
-                grads, losses = self._grad_mean(self.params(a), x, y)
-            else:
-                grads, losses = self._grad_weighted(self.params(a), x, y, weights)
+            grads, losses = step(self.params(a), *args)
         return losses.detach(), self.pieces(grads, a)
 
     def pieces(self, grads: dict[str, torch.Tensor], a: int) -> list[torch.Tensor]:

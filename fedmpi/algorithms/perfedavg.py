@@ -24,8 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from torch.func import grad, vmap
+from torch.func import grad, grad_and_value, vmap
 
 from . import group_sgd, local_sgd
 from .base import register
@@ -108,15 +107,13 @@ def group_meta_gradient(alpha: float, hessian: bool):
         params.copy_(saved)
         if not hessian:
             return losses, outer
-        if hvp is None:
-            def product(p, v, x, y, w=None):
-                return grad(lambda q: sum((g * v[k]).sum() for k, g in
-                                          grad(model.loss)(q, x, y, w).items()))(p)
-            hvp = vmap(product)
+        if hvp is None:   # H v = the gradient of (the gradient . v)
+            def dot(p, v, x, y, w=None):
+                return sum((g * v[k]).sum() for k, g in grad(model.loss)(p, x, y, w).items())
+            hvp = vmap(grad_and_value(dot))
         outer = outer.clone()
-        args = (model.params(a), model.named(outer), xs[2], ys[2])
-        with torch.autocast(params.device.type, dtype=autocast, enabled=autocast is not None):
-            hv = hvp(*args) if weights[2] is None else hvp(*args, weights[2])
-        torch.cat(model.pieces(hv, a), dim=1, out=model.grad_rows[:a])
-        return losses, model.grad_rows[:a].mul_(-alpha).add_(outer)
+        args = (model.named(outer), xs[2], ys[2]) + \
+            ((weights[2],) if weights[2] is not None else ())
+        _, pieces = model.vmapped(hvp, a, args, autocast)
+        return losses, model.concatenated(a, pieces).mul_(-alpha).add_(outer)
     return gradient
