@@ -90,6 +90,36 @@ def test_the_coordinate_rules_are_numpy_s_median_and_trimmed_mean(n):
                        s[cut:n - cut].mean(axis=0))
 
 
+@pytest.mark.parametrize("rule,f", [("median", 0), ("trimmed_mean", 2), ("bulyan", 1)])
+def test_coordinate_shares_with_ties_are_each_coordinate_s_kept_rows_counted_one_by_one(rule, f):
+    """Columns where values tie at the kept run's ends (more rows share the coordinate)
+    beside columns without ties: each row's share is, coordinate by coordinate, 1 / (the
+    rows whose value lies in the kept run's range) where it lies there, as a loop over the
+    coordinates counts it; the values are the kept run's mean."""
+    x = _updates(7, 12, seed=8)
+    x[:4, 3] = 0.25                         # four equal values around the middle
+    x[:, 5] = 1.0                           # a column of one value
+    x[[0, 6], 9] = x[3, 9]                  # ties at a run's end
+    rows = torch.from_numpy(x)
+    coef = np.ones(7) if rule == "bulyan" else None
+    values, share = robust.coordinate_rule(rule, f)(rows, coef)
+    n = 7
+    expect, means = np.zeros(n), []
+    for j in range(x.shape[1]):
+        s = np.sort(x[:, j])
+        lo, hi = {"median": (3, 4), "trimmed_mean": (2, 5)}.get(rule, (None, None))
+        if rule == "bulyan":   # the run of n - 2f whose farther end is nearest the median
+            beta = n - 2 * f
+            reach = [max(s[3] - s[a], s[a + beta - 1] - s[3]) for a in range(n - beta + 1)]
+            lo = int(np.argmin(reach))
+            hi = lo + beta
+        inside = (x[:, j] >= s[lo]) & (x[:, j] <= s[hi - 1])
+        expect += inside / inside.sum()
+        means.append(s[lo:hi].mean())
+    assert np.allclose(share.numpy(), expect) and np.isclose(share.sum(), x.shape[1])
+    assert np.allclose(values.numpy(), means)
+
+
 def _rule(rule, f=1, **robust_values):
     """(coefficients, per_block) of ``rule`` as the Robust aggregator builds them."""
     config = cfg.from_dict(merged(TINY, clients={**TINY["clients"], "per_round": 11},
