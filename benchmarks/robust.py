@@ -17,7 +17,9 @@ largest of the workers' (MB), and what rank 0 received. For example:
     mpirun -n 3 python benchmarks/robust.py --mode sharded --rule median
     mpirun -n 5 --oversubscribe python benchmarks/robust.py --mode gather --rule krum --clients 100
 
-(d = 11.2M, ResNet-18's size, by default; --params and --clients to scale.)
+(d = 11.2M, ResNet-18's size, by default; --params and --clients to scale; --device cuda
+sorts and multiplies each block on the worker's GPU, as a robust run on GPUs does, the
+updates on the host as a run keeps them.)
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def _rule(name: str, f: int):
     return coefficients, per_block
 
 
-def _gathered(comm, mine, assignment, d: int, coefficients, per_block):
+def _gathered(comm, mine, assignment, d: int, coefficients, per_block, device=None):
     """Every update on rank 0, then the rule block by block there, the rows in ascending
     client id as the sharded path orders them."""
     k = sum(len(a) for a in assignment)
@@ -59,19 +61,20 @@ def _gathered(comm, mine, assignment, d: int, coefficients, per_block):
     order = np.argsort(np.concatenate(assignment), kind="stable")   # rows by client id
 
     def block(s, e):   # one block of the K updates in client order (a copy of it alone)
-        return torch.from_numpy(a[order, s:e]).double()
+        rows = torch.from_numpy(a[order, s:e]).double()
+        return rows if device is None else rows.to(device)
     coef = None
     if coefficients is not None:
         gram = np.zeros((k, k))
         for s, e in block_ranges(d):
             rows = block(s, e)
-            gram += (rows @ rows.T).numpy()
+            gram += (rows @ rows.T).cpu().numpy()
         coef = coefficients(gram)
     out = np.empty(d, np.float32)
     for s, e in block_ranges(d):
         rows = block(s, e)
         out[s:e] = (per_block(rows, coef)[0] if per_block is not None
-                    else torch.from_numpy(coef) @ rows).float().numpy()
+                    else torch.from_numpy(coef).to(rows.device) @ rows).float().cpu().numpy()
     return out
 
 
@@ -87,6 +90,8 @@ def main() -> None:
                         help="after the timing, compare the sharded result with the gathered "
                              "one (bit for bit) and exit 1 if they differ")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--device", default="cpu",
+                        help="where the blocks are sorted and multiplied (cpu, cuda, cuda:1)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     comm = MPIComm()
@@ -95,6 +100,9 @@ def main() -> None:
     mine = [torch.randn(d, generator=torch.Generator().manual_seed(int(c)))
             for c in assignment[comm.worker_index]] if comm.is_worker else []
     coefficients, per_block = _rule(args.rule, args.f)
+    # the workers' blocks on the device; gathering, rank 0's (the same kernels: --check)
+    server_device = None if args.device == "cpu" else torch.device(args.device)
+    device = server_device if comm.is_worker else None
     space, seconds = Workspace(), []
     for _ in range(args.repeat):
         comm.gather_obj(None, count=False)   # every rank starts together
@@ -107,14 +115,15 @@ def main() -> None:
             comm.reduce_sum(total, host_vector(d) if comm.is_server else None)
         elif args.mode == "sharded":
             weighted_sum(comm, mine, assignment, d, coefficients, workspace=space,
-                         per_block=per_block)
+                         per_block=per_block, device=device)
         else:
-            _gathered(comm, mine, assignment, d, coefficients, per_block)
+            _gathered(comm, mine, assignment, d, coefficients, per_block, server_device)
         seconds.append(time.perf_counter() - start)
     same = None
     if args.check:
-        sharded, _ = weighted_sum(comm, mine, assignment, d, coefficients, per_block=per_block)
-        gathered = _gathered(comm, mine, assignment, d, coefficients, per_block)
+        sharded, _ = weighted_sum(comm, mine, assignment, d, coefficients, per_block=per_block,
+                                  device=device)
+        gathered = _gathered(comm, mine, assignment, d, coefficients, per_block, server_device)
         same = bool(np.array_equal(sharded.numpy(), gathered)) if comm.is_server else None
     ledgers = comm.gather_obj(comm.ledger.take(), count=False)
     peak = comm.gather_obj(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,

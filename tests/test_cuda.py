@@ -169,6 +169,45 @@ def test_deterministic_runs_on_the_device_are_bitwise_the_same_for_1_2_and_3_ran
     assert ranks[2][0]["device"] == "cpu"
 
 
+@pytest.mark.parametrize("rule", ["median", "trimmed_mean", "bulyan", "krum", "geomed"])
+def test_robust_blocks_on_the_device_are_the_host_s_rules(rule):
+    """A robust rule's blocks sorted and multiplied on the device (torch) against the
+    host's (numpy, float64 products): the same aggregate and weights, to rounding."""
+    from fedmpi import config as cfg
+    from fedmpi.comm import LocalComm
+    from fedmpi.runtime import robust
+    from fedmpi.runtime.gram import weighted_sum
+    config = cfg.from_dict({"clients": {"num": 20, "per_round": 11},
+                            "robust": {"aggregator": rule, "f": 2}})
+    coef = None if rule in robust.COORDINATE else robust.coefficients(rule, config)
+    per_block = robust.coordinate_rule(rule, 2) \
+        if rule in robust.COORDINATE or rule == "bulyan" else None
+    g = torch.Generator().manual_seed(3)
+    vectors = [torch.randn(300, generator=g) for _ in range(11)]
+    vectors[4] += 20.0
+    host = weighted_sum(LocalComm(), vectors, [np.arange(11)], 300, coef, block=64,
+                        per_block=per_block)
+    device = weighted_sum(LocalComm(), vectors, [np.arange(11)], 300, coef, block=64,
+                          per_block=per_block, device=DEVICE)
+    assert torch.allclose(host[0], device[0], rtol=1e-6, atol=1e-7)
+    assert np.allclose(host[1], device[1], rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.slow
+@needs_mpi
+def test_a_robust_run_on_the_device_is_bitwise_the_same_for_1_2_and_3_ranks(tmp_path):
+    """The median's blocks on the GPU of whichever rank owns them: the same bits for one
+    process, one GPU worker and two workers sharing the GPU."""
+    config = write_config(tmp_path / "r.toml", rounds=2, robust={"aggregator": "median"},
+                          system={"device": DEVICE.type, "gpu_share": True,
+                                  "deterministic": True})
+    models = []
+    for out in run_on_ranks(config, (1, 2, 3), tmp_path).values():
+        with RunFile(out) as run:
+            models.append(run.model())
+    assert np.array_equal(models[0], models[1]) and np.array_equal(models[0], models[2])
+
+
 def test_a_deterministic_run_on_the_device_resumes_to_the_uninterrupted_bits(tmp_path):
     """Augmentation draws on the GPU, keyed per client, and SCAFFOLD's control variates
     come back from the checkpoint: a run that died after round 4 resumes from its round-2

@@ -120,6 +120,22 @@ def test_coordinate_shares_with_ties_are_each_coordinate_s_kept_rows_counted_one
     assert np.allclose(values.numpy(), means)
 
 
+@pytest.mark.parametrize("rule,f", [("median", 0), ("trimmed_mean", 2), ("bulyan", 1)])
+def test_the_torch_form_of_a_coordinate_rule_is_the_numpy_form(rule, f):
+    """What a GPU runs (torch's sort of the transposed block, its gather and counts)
+    against numpy's, on the CPU: the same kept values and shares, with ties."""
+    x = _updates(8, 40, seed=9)
+    x[:5, 3] = 0.25
+    x[:, 5] = 1.0
+    x[[0, 6], 9] = x[3, 9]
+    rows = torch.from_numpy(x)
+    coef = np.ones(8) if rule == "bulyan" else None
+    values, share = robust.coordinate_rule(rule, f, backend="numpy")(rows, coef)
+    values_t, share_t = robust.coordinate_rule(rule, f, backend="torch")(rows, coef)
+    assert share_t.dtype == values_t.dtype == torch.float64
+    assert torch.equal(share, share_t) and torch.allclose(values, values_t, rtol=0, atol=1e-15)
+
+
 def _rule(rule, f=1, **robust_values):
     """(coefficients, per_block) of ``rule`` as the Robust aggregator builds them."""
     config = cfg.from_dict(merged(TINY, clients={**TINY["clients"], "per_round": 11},

@@ -116,6 +116,7 @@ class Sharded(WeightedMean):
     The workspace (the transpose's buffers) is kept from round to round."""
 
     per_block = None   # a coordinate-wise rule (``Robust``): instead of, or after, ``rule``
+    blocks_on_device = False   # the rule's blocks on the worker's GPU, where it has one
     cohort = None      # colluding attackers' rows (fedmpi.runtime.omniscient)
 
     def __init__(self, comm, device, deterministic: bool, d: int, rule: Callable | None):
@@ -144,7 +145,8 @@ class Sharded(WeightedMean):
         rule = None if self.rule is None else (lambda inner: self.rule(inner, ctx))
         combined, self.weights = gram.weighted_sum(
             self.comm, vectors, assignment, self.d, rule, workspace=self.space,
-            per_block=self.per_block, cohort=self.cohort, extra=self.reference(state))
+            per_block=self.per_block, cohort=self.cohort, extra=self.reference(state),
+            device=self.device if self.blocks_on_device and self.device.type != "cpu" else None)
         timers.aggregate += time.perf_counter() - t0
         if sums is not None:
             sums["delta"] = combined
@@ -159,6 +161,7 @@ class Robust(Sharded):
     omniscient attacks rewrite the malicious rows first."""
 
     client_fields = ["robust_weight"]
+    blocks_on_device = True   # the blocks' sorts and Gram products on a worker's GPU
 
     def __init__(self, comm, device, deterministic: bool, d: int, config):
         from . import omniscient, robust   # deferred: only a robust run needs the rules

@@ -83,10 +83,12 @@ class Workspace:
         took 2.7x as long)."""
         return self._grown(name, size, lambda n: host_vector(n, zeros=False).numpy())
 
-    def block(self, size: int) -> torch.Tensor:
+    def block(self, size: int, pinned: bool = False) -> torch.Tensor:
         """The first ``size`` values of the float64 block buffer: always the start of a
-        torch allocation, so the products see one alignment."""
-        return self._grown("block", size, lambda n: torch.empty(n, dtype=torch.float64))
+        torch allocation, so the products see one alignment (page-locked where the
+        blocks are copied to a GPU)."""
+        return self._grown("block", size, lambda n: torch.empty(n, dtype=torch.float64,
+                                                                pin_memory=pinned))
 
     def _grown(self, name: str, size: int, make):
         kept = self.kept.get(name)
@@ -99,7 +101,7 @@ def weighted_sum(comm, vectors: list[torch.Tensor], assignment, d: int,
                  coefficients: Callable[[np.ndarray], np.ndarray] | None,
                  block: int = BLOCK, workspace: Workspace | None = None,
                  per_block: Callable | None = None, cohort=None,
-                 extra: torch.Tensor | None = None
+                 extra: torch.Tensor | None = None, device: torch.device | None = None
                  ) -> tuple[torch.Tensor | None, np.ndarray | None]:
     """sum_k c_k v_k on the server, with c = coefficients(G) computed there from the Gram
     matrix G (float64, K x K, clients in ascending id) of every participant's vector; or,
@@ -115,6 +117,10 @@ def weighted_sum(comm, vectors: list[torch.Tensor], assignment, d: int,
     ``extra`` (a float32 vector of length d that every worker holds: centred clipping's
     centre) joins the K vectors as row K of every block, so the Gram matrix is (K + 1) x
     (K + 1) and the coefficients K + 1; the weights returned are the K participants'.
+
+    ``device`` (None: the CPU): where each block's Gram product and rule run, the block
+    built on the host (pinned for a GPU) and copied there; the results come back as
+    float64 K x K partials and d / W float32 values, as from the CPU.
 
     Every rank calls this. ``vectors`` are this worker's clients' vectors (length d) in
     the order of ``assignment[worker_index]``. ``workspace``: this rank's buffers, kept
@@ -152,7 +158,8 @@ def weighted_sum(comm, vectors: list[torch.Tensor], assignment, d: int,
     # where it is used (Gram, then weighted sum), with no allocation per block
     rows_k = k + (extra is not None)   # the blocks' rows: the K vectors, then ``extra``
     reference = extra.detach().reshape(-1).float().cpu().numpy() if extra is not None else None
-    buffer = space.block(rows_k * min(block, d) if len(mine) else 0)
+    pinned = device is not None and device.type == "cuda" and len(mine) > 0
+    buffer = space.block(rows_k * min(block, d) if len(mine) else 0, pinned)
 
     def rows(b: int, honest: bool = False) -> torch.Tensor:
         """Block b (one of mine) of the K vectors: float64 [K, width], clients in
@@ -170,7 +177,7 @@ def weighted_sum(comm, vectors: list[torch.Tensor], assignment, d: int,
             target[k] = reference[s:e]
         if attack is not None and not honest:
             attack.apply(a[:k], shared)
-        return a
+        return a if device is None or honest else a.to(device)
 
     # 1b. a cohort attack: its statistics of the honest rows (partials per block, added
     #     in block order on the server), then what it sends from them, to every worker
@@ -193,7 +200,7 @@ def weighted_sum(comm, vectors: list[torch.Tensor], assignment, d: int,
         partials = np.zeros((len(mine), rows_k, rows_k))
         for i, b in enumerate(mine):
             a = rows(b)
-            partials[i] = (a @ a.T).numpy()
+            partials[i] = (a @ a.T).cpu().numpy()
         gathered = comm.gatherv(partials.reshape(-1))
         coef = np.zeros(rows_k)
         if comm.is_server:
@@ -204,7 +211,7 @@ def weighted_sum(comm, vectors: list[torch.Tensor], assignment, d: int,
         # 3. coefficients to the workers
         comm.bcast(coef)
     def combine(a, c):   # one float64 product per block: a fixed shape
-        return torch.from_numpy(c) @ a, None
+        return torch.from_numpy(c).to(a.device) @ a, None
     rule = per_block if per_block is not None else combine
 
     # 4. each block's weighted sum (or rule), gathered to the server: the spans in worker
@@ -215,9 +222,9 @@ def weighted_sum(comm, vectors: list[torch.Tensor], assignment, d: int,
     for i, b in enumerate(mine):
         s, e = blocks[b]
         values, share = rule(rows(b), coef)
-        sums[s - start:e - start] = values.float().numpy()
+        sums[s - start:e - start] = values.float().cpu().numpy()
         if share is not None:
-            shares[i] = share.numpy()
+            shares[i] = share.cpu().numpy()
     # gathered straight into the result: the server's part is empty where it has no
     # blocks, and all of it where it is the only rank
     total = host_vector(d, zeros=False) if comm.is_server else None

@@ -182,7 +182,80 @@ def coefficients(rule: str, config):
             "fltrust": fltrust}[rule]
 
 
-def coordinate_rule(rule: str, f: int):
+class _NumpyBlocks:
+    """The coordinate rules' array operations on the CPU: numpy, whose vectorised sort of
+    short contiguous rows is 2-3x its sort along a strided axis (and 10x torch's on a
+    2-core CPU); the transposed block goes into one buffer kept from block to block."""
+
+    def __init__(self):
+        self.buffer = np.empty(0, np.float64)
+
+    def array(self, rows: torch.Tensor) -> np.ndarray:
+        return rows.numpy()
+
+    def sorted_t(self, a: np.ndarray) -> np.ndarray:
+        if self.buffer.size < a.size:
+            self.buffer = np.empty(a.size, np.float64)
+        t = self.buffer[:a.size].reshape(a.shape[1], a.shape[0])
+        np.copyto(t, a.T)
+        t.sort(axis=1)
+        return t
+
+    def arange(self, n: int, like) -> np.ndarray:
+        return np.arange(n)
+
+    def window(self, t: np.ndarray, index: np.ndarray) -> np.ndarray:
+        return np.take_along_axis(t, index, axis=1)
+
+    def maximum(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return np.maximum(a, b)
+
+    def column(self, t: np.ndarray, j: int) -> np.ndarray:
+        return t[:, j].copy()   # contiguous: 3x the compares with a strided column
+
+    def count(self, inside: np.ndarray, axis: int) -> np.ndarray:
+        return np.count_nonzero(inside, axis=axis)
+
+    def distinct(self, count: np.ndarray) -> list[int]:
+        return np.unique(count).tolist()
+
+    def tensor(self, a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a)
+
+
+class _TorchBlocks(_NumpyBlocks):
+    """The same operations in torch, on the block's device (a GPU's sort of a whole block
+    at once); the CPU runs them in tests."""
+
+    def array(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows
+
+    def sorted_t(self, a: torch.Tensor) -> torch.Tensor:
+        return torch.sort(a.T.contiguous(), dim=1).values
+
+    def arange(self, n: int, like) -> torch.Tensor:
+        return torch.arange(n, device=like.device)
+
+    def window(self, t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        return torch.gather(t, 1, index)
+
+    def maximum(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.maximum(a, b)
+
+    def column(self, t: torch.Tensor, j: int) -> torch.Tensor:
+        return t[:, j].contiguous()
+
+    def count(self, inside: torch.Tensor, axis: int) -> torch.Tensor:
+        return inside.sum(dim=axis, dtype=torch.float64)   # a float64 share when divided
+
+    def distinct(self, count: torch.Tensor) -> list[int]:
+        return torch.unique(count).tolist()
+
+    def tensor(self, a: torch.Tensor) -> torch.Tensor:
+        return a
+
+
+def coordinate_rule(rule: str, f: int, backend: str | None = None):
     """The coordinate rule of ``rule`` on a block of rows (float64 [n, width]), given the
     Gram rule's coefficients (Bulyan's selection; None for the others): (values [width],
     each row's summed weight over the block's coordinates [n]). A coordinate's kept values
@@ -190,68 +263,62 @@ def coordinate_rule(rule: str, f: int):
     shares the coordinate's weight 1 equally (ties at the run's ends share it too).
 
     The sorts run on the block transposed, each coordinate's n values contiguous ([width,
-    n], one buffer the rule keeps), where numpy's vectorised sort of short rows is 2-3x its
-    sort along a strided axis; the shares count each row's kept values per distinct count
-    of kept values rather than adding a fraction per coordinate."""
-    buffer = {}
+    n]); the shares count each row's kept values per distinct count of kept values rather
+    than adding a fraction per coordinate. A block on the CPU is sorted by numpy, one on a
+    GPU by torch where it is (``backend`` "numpy" or "torch" chooses for every block)."""
+    on_cpu, on_device = _NumpyBlocks(), _TorchBlocks()
 
-    def sorted_t(a: np.ndarray) -> np.ndarray:
-        """The block ``a`` [n, width], transposed and sorted: [width, n]."""
-        n, width = a.shape
-        if buffer.get("t") is None or buffer["t"].size < a.size:
-            buffer["t"] = np.empty(a.size, np.float64)
-        t = buffer["t"][:a.size].reshape(width, n)
-        np.copyto(t, a.T)
-        t.sort(axis=1)
-        return t
+    def ops(rows: torch.Tensor) -> _NumpyBlocks:
+        if backend is not None:
+            return on_device if backend == "torch" else on_cpu
+        return on_cpu if rows.device.type == "cpu" else on_device
 
-    def kept(rows: np.ndarray, t: np.ndarray, lo, hi):
+    def kept(x: _NumpyBlocks, rows, t, lo, hi):
         """The mean of the sorted values lo..hi-1 (ints, or per-coordinate start indices
         and the run's length ``hi``) of each coordinate, and each row's share."""
         if isinstance(lo, int):
             window = t[:, lo:hi]
         else:
-            window = np.take_along_axis(t, lo[:, None] + np.arange(hi)[None, :], axis=1)
-        low, high = window[:, 0].copy(), window[:, -1].copy()   # contiguous: 3x the compares
-        inside = np.greater_equal(rows, low)
-        inside &= np.less_equal(rows, high)
-        count = np.count_nonzero(inside, axis=0)
-        counts = np.unique(count)   # one, but where values tie at the run's ends
+            window = x.window(t, lo[:, None] + x.arange(hi, t)[None, :])
+        inside = rows >= x.column(window, 0)
+        inside &= rows <= x.column(window, -1)
+        count = x.count(inside, 0)
+        counts = x.distinct(count)   # one, but where values tie at the run's ends
         if len(counts) == 1:
-            share = np.count_nonzero(inside, axis=1) / counts[0]
+            share = x.count(inside, 1) / counts[0]
         else:
-            share = sum(np.count_nonzero(inside[:, count == c], axis=1) / c for c in counts)
-        return torch.from_numpy(window.mean(axis=1)), torch.from_numpy(share)
+            share = sum(x.count(inside[:, count == c], 1) / c for c in counts)
+        return x.tensor(window.mean(1)), x.tensor(share)
 
     def mean(rows, coef=None):
         return rows.mean(dim=0), torch.full((len(rows),), rows.shape[1] / len(rows),
-                                            dtype=torch.float64)
+                                            dtype=torch.float64, device=rows.device)
 
     def median(rows, coef=None):
-        a = rows.numpy()
-        n = len(a)
-        return kept(a, sorted_t(a), (n - 1) // 2, n // 2 + 1)
+        x = ops(rows)
+        a, n = x.array(rows), len(rows)
+        return kept(x, a, x.sorted_t(a), (n - 1) // 2, n // 2 + 1)
 
     def trimmed(rows, coef=None):
-        a = rows.numpy()
-        n = len(a)
+        x = ops(rows)
+        a, n = x.array(rows), len(rows)
         cut = min(f, (n - 1) // 2)
-        return kept(a, sorted_t(a), cut, n - cut)
+        return kept(x, a, x.sorted_t(a), cut, n - cut)
 
     def bulyan(rows, coef):
         """The beta values nearest the median are a run of the sorted values: the window
         of beta whose farther end is nearest (the first such)."""
-        chosen = np.flatnonzero(coef)
-        sub = rows.numpy()[chosen]
+        x = ops(rows)
+        chosen = torch.from_numpy(np.flatnonzero(coef)).to(rows.device)
+        sub = x.array(rows[chosen])
         theta = len(sub)
         beta = max(1, theta - 2 * f)
-        t = sorted_t(sub)
-        middle = t[:, (theta - 1) // 2:theta // 2 + 1].mean(axis=1)
-        starts = np.arange(theta - beta + 1)
-        reach = np.maximum(middle[:, None] - t[:, starts],
-                           t[:, starts + beta - 1] - middle[:, None])
-        values, share = kept(sub, t, np.argmin(reach, axis=1), beta)
-        count = torch.zeros(len(rows), dtype=torch.float64)
-        count[torch.from_numpy(chosen)] = share
+        t = x.sorted_t(sub)
+        middle = t[:, (theta - 1) // 2:theta // 2 + 1].mean(1)
+        starts = x.arange(theta - beta + 1, t)
+        reach = x.maximum(middle[:, None] - t[:, starts], t[:, starts + beta - 1] - middle[:, None])
+        values, share = kept(x, sub, t, reach.argmin(1), beta)
+        count = torch.zeros(len(rows), dtype=torch.float64, device=rows.device)
+        count[chosen] = share
         return values, count
     return {"mean": mean, "median": median, "trimmed_mean": trimmed, "bulyan": bulyan}[rule]
