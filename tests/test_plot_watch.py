@@ -71,6 +71,39 @@ def test_plot_lines_labels_and_group_bands(runs_dir):
     assert fa.plot.default_title(runs) == "cifar10, cnn"
 
 
+def test_plot_names_runs_as_a_paper_does_and_puts_a_long_legend_beside_the_axes(runs_dir):
+    """--paper: the paper's method names (the seed where runs differ in it); more than
+    eight lines: twenty colours and the legend outside the axes; a key a run lacks is
+    left out of its label rather than printed as '-'."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    runs = fa.load(runs_dir)
+    ax = Figure().add_subplot()
+    fa.plot_accuracy(runs, ax, paper="fedacg")
+    assert [line.get_label() for line in ax.get_lines()] == [
+        "FedACG, seed=0", "FedACG, seed=1", "FedAvg, seed=0", "FedAvg, seed=1"]
+    assert ax.get_legend().get_bbox_to_anchor().x0 < ax.get_window_extent().x1   # inside
+    many = Figure().add_subplot()
+    fa.plot_accuracy(runs * 3, many, paper="fedacg")   # the same name twice: keys added
+    labels = [line.get_label() for line in many.get_lines()]
+    assert labels[0] == "FedACG, seed=0 (fedacg, seed=0)" and len(labels) == 12
+    assert len({line.get_color() for line in many.get_lines()}) == 12
+    assert many.get_legend().get_bbox_to_anchor().x0 > many.get_window_extent().x1   # beside
+    with pytest.raises(UsageError, match=r"^--paper 'nope': allowed are fedacg, "):
+        fa.plot_accuracy(runs, Figure().add_subplot(), paper="nope")
+    with pytest.raises(UsageError, match=r"^--paper names runs one by one"):
+        fa.plot_accuracy(runs, Figure().add_subplot(), group_by=["seed"], paper="fedacg")
+
+    class Lacking:   # a run of another method, without this one's parameter
+        completed = True
+
+        def get(self, key):
+            return {"algorithm.name": "fedavg", "seed": 0}.get(key)
+    label = fa.plot._label(Lacking(), ["algorithm.name", "algorithm.lam", "seed"])
+    assert label == "fedavg, seed=0"
+
+
 @pytest.mark.slow
 def test_plot_bad_input_is_one_line_and_exit_2(runs_dir, tmp_path):
     for args, says in ((["plot", runs_dir], "needs -o FILE"),

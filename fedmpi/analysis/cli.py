@@ -96,8 +96,12 @@ def report(sources, strict, group_by, smooth, at, target, window, fmt, columns, 
 @click.option("--spectrum", is_flag=True,
               help="Plot the feature spectrum of self-supervised runs instead (/eval: the top "
                    "100 singular values, log10, of each run's last probe; FedU^2 Figure 3).")
+@click.option("--paper", metavar="NAME",
+              help="Name each run's line as that paper's tables name its method (fedacg, "
+                   "fedu2, ...: tools/paper_table.py's layouts), e.g. FedU2-BYOL.")
 @one_line_errors
-def plot(sources, strict, group_by, smooth, output, x_axis, title, log_x, y_from, spectrum):
+def plot(sources, strict, group_by, smooth, output, x_axis, title, log_x, y_from, spectrum,
+         paper):
     """Plot test accuracy of runs against rounds, FL traffic, wall or virtual time into one figure.
 
     One line per run, or with --group-by one line per group (the mean, with a band of
@@ -110,7 +114,7 @@ def plot(sources, strict, group_by, smooth, output, x_axis, title, log_x, y_from
     y_from = None if y_from is None else parse_accuracy("--y-from", y_from)
     runs = load_runs(sources, strict, False)
     path = save_plot(runs, output, x=x_axis, group_by=list(group_by), smooth=parse_smooth(smooth),
-                     title=title, spectrum=spectrum, log_x=log_x, y_from=y_from)
+                     title=title, spectrum=spectrum, log_x=log_x, y_from=y_from, paper=paper)
     click.echo(f"wrote {path}")
 
 

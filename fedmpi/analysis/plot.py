@@ -8,8 +8,10 @@ The figure is built on ``matplotlib.figure.Figure`` with the Agg canvas, never p
 so it neither needs a display nor changes a notebook's backend.
 
 One line per run, labelled by the config keys that differ between the runs (and the
-seed). With ``group_by``, one line per group: the mean over its runs with a shaded
-band of ± one std. Runs are aligned on round numbers: a group's point at round r
+seed; a key a run lacks is left out of its label), or with ``paper`` by that paper's name
+for each method (``tools/paper_table.py``'s rows: FedU2-BYOL, L-DAWA-SimCLR, ...). More
+than eight lines put the legend beside the axes. With ``group_by``, one line per group:
+the mean over its runs with a shaded band of ± one std. Runs are aligned on round numbers: a group's point at round r
 averages each run's last evaluated accuracy at or before r, and its x is the mean of
 the runs' cumulative MB, seconds or virtual hours at r. Runs that did not complete are
 labelled with their status and never averaged with completed ones.
@@ -32,12 +34,16 @@ X_AXES = {"round": "round", "traffic": "cumulative FL traffic (MB)",
           "vtime": "virtual time (h)"}
 
 
-def plot_accuracy(runs, ax, x: str = "round", group_by=None, smooth: float | None = None):
+def plot_accuracy(runs, ax, x: str = "round", group_by=None, smooth: float | None = None,
+                  paper: str | None = None):
     """Draw test accuracy (%) against ``x`` (round | traffic | time | vtime) into ``ax``."""
     if x not in X_AXES:
         raise UsageError(f"--x {x!r}: allowed are {', '.join(X_AXES)}")
     if x == "vtime":
         _need_virtual_clock(runs)
+    if group_by and paper:
+        raise UsageError("--paper names runs one by one; with --group-by each line is a "
+                         "group, named by its keys")
     if group_by:
         keys = check_keys(runs, group_by, "--group-by")
         for label, members in _groups(runs, keys):
@@ -47,23 +53,24 @@ def plot_accuracy(runs, ax, x: str = "round", group_by=None, smooth: float | Non
                 ax.fill_between(xs, 100 * (mean - std), 100 * (mean + std), color=line.get_color(),
                                 alpha=0.2, linewidth=0)
     else:
-        keys = differing_keys(runs) + (["seed"] if len({r.get("seed") for r in runs}) > 1 else [])
-        for run in runs:
+        labels = _run_labels(runs, paper)
+        _colours(ax, len(runs))
+        for run, label in zip(runs, labels):
             xs, acc = _curve(run, x, smooth)
-            ax.plot(xs, 100 * acc, label=_label(run, keys or ["algorithm.name"]), **_style(xs))
+            ax.plot(xs, 100 * acc, label=label, **_style(xs))
     ax.set_xlabel(X_AXES[x])
     ax.set_ylabel("test accuracy (%)" + (f", EMA({smooth:g})" if smooth else ""))
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize="small")
+    _legend(ax)
     return ax
 
 
-def plot_spectrum(runs, ax, top: int = 100):
+def plot_spectrum(runs, ax, top: int = 100, paper: str | None = None):
     """FedU^2 Figure 3: the top singular values (log10) of each run's feature covariance,
     from its last probe that measured the spectrum (/eval/spectrum)."""
-    keys = differing_keys(runs) + (["seed"] if len({r.get("seed") for r in runs}) > 1 else [])
     drawn = 0
-    for run in runs:
+    _colours(ax, len(runs))
+    for run, label in zip(runs, _run_labels(runs, paper)):
         rows = [(int(r), v) for r, v in zip(run.evals.get("round", ()), run.spectrum)
                 if np.isfinite(v).all()]
         if not rows:
@@ -71,7 +78,7 @@ def plot_spectrum(runs, ax, top: int = 100):
         round_, values = rows[-1]
         values = np.clip(values[:top], 1e-12, None)
         ax.plot(np.arange(1, len(values) + 1), np.log10(values),
-                label=f"{_label(run, keys or ['algorithm.name'])} (round {round_})")
+                label=f"{label} (round {round_})")
         drawn += 1
     if not drawn:
         raise UsageError("no run has a feature spectrum: set eval.probes = [\"spectrum\"] "
@@ -79,29 +86,64 @@ def plot_spectrum(runs, ax, top: int = 100):
     ax.set_xlabel("singular value index")
     ax.set_ylabel("log10 singular value (feature covariance)")
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize="small")
+    _legend(ax)
     return ax
+
+
+LEGEND_INSIDE = 8   # more lines than this: the legend beside the axes, not over the curves
+
+
+def _colours(ax, lines: int) -> None:
+    """Twenty colours where the default ten would repeat (a seed paper's table of runs)."""
+    if lines > 10:
+        from matplotlib import colormaps   # deferred, as every matplotlib import here
+        ax.set_prop_cycle(color=colormaps["tab20"].colors)
+
+
+def _legend(ax) -> None:
+    if len(ax.get_lines()) > LEGEND_INSIDE:
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1.0),
+                  borderaxespad=0.0)
+    else:
+        ax.legend(fontsize="small")
+
+
+def _run_labels(runs, paper: str | None) -> list[str]:
+    """Each run's label: the paper's method name (then the differing keys where two runs
+    share one), or the differing keys (and the seed)."""
+    keys = differing_keys(runs) + (["seed"] if len({r.get("seed") for r in runs}) > 1 else [])
+    plain = [_label(run, keys or ["algorithm.name"]) for run in runs]
+    if paper is None:
+        return plain
+    from fedmpi.analysis.papers import LAYOUTS   # deferred: the papers' tables
+    if paper not in LAYOUTS:
+        raise UsageError(f"--paper {paper!r}: allowed are {', '.join(sorted(LAYOUTS))}")
+    layout = LAYOUTS[paper]
+    names = [layout.label({k: run.get(k) for k in layout.method_keys}) for run in runs]
+    if len({r.get("seed") for r in runs}) > 1:
+        names = [f"{n}, seed={value(r.get('seed'))}" for n, r in zip(names, runs)]
+    return [f"{n} ({p})" if names.count(n) > 1 else n for n, p in zip(names, plain)]
 
 
 def save_plot(runs, path, x: str = "round", group_by=None, smooth: float | None = None,
               title: str | None = None, spectrum: bool = False, log_x: bool = False,
-              y_from: float | None = None) -> Path:
+              y_from: float | None = None, paper: str | None = None) -> Path:
     """Write the figure to ``path``; the format comes from its suffix (.png, .pdf, .svg).
     ``log_x``: a logarithmic x axis (points at x = 0, such as round 0, are left out).
     ``y_from``: the accuracy (a fraction) where the y axis starts; the top stays automatic."""
     figure = figures.new_figure("fedmpi plot", figsize=(6.4, 4.4), dpi=120)
     ax = figure.add_subplot()
     if spectrum:
-        plot_spectrum(runs, ax)
+        plot_spectrum(runs, ax, paper=paper)
     else:
-        plot_accuracy(runs, ax, x, group_by, smooth)
+        plot_accuracy(runs, ax, x, group_by, smooth, paper)
     if log_x:
         ax.set_xscale("log", nonpositive="mask")
     if y_from is not None:   # the automatic top, unless the data all lie below the start
         ax.set_ylim(100 * y_from, max(ax.get_ylim()[1], 100 * y_from + 1))
     ax.set_title(title if title is not None else default_title(runs), fontsize="medium")
-    figure.tight_layout()
-    return figures.save(figure, path, "plot file", "fedmpi plot")
+    figure.tight_layout()   # a legend beside the axes: the saved area grows to hold it
+    return figures.save(figure, path, "plot file", "fedmpi plot", bbox_inches="tight")
 
 
 def default_title(runs) -> str:
@@ -127,7 +169,7 @@ def _style(xs) -> dict:
 
 def _label(run, keys: list[str]) -> str:
     parts = [value(run.get(k)) if k == "algorithm.name" else f"{key_header(k, keys)}={value(run.get(k))}"
-             for k in keys]
+             for k in keys if k == "algorithm.name" or run.get(k) is not None]
     status = "" if run.completed else f" [{run.status}]"
     return ", ".join(parts) + status
 
