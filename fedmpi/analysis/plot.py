@@ -11,10 +11,11 @@ One line per run, labelled by the config keys that differ between the runs (and 
 seed; a key a run lacks is left out of its label), or with ``paper`` by that paper's name
 for each method (``tools/paper_table.py``'s rows: FedU2-BYOL, L-DAWA-SimCLR, ...). More
 than eight lines put the legend beside the axes. With ``group_by``, one line per group:
-the mean over its runs with a shaded band of ± one std. Runs are aligned on round numbers: a group's point at round r
-averages each run's last evaluated accuracy at or before r, and its x is the mean of
-the runs' cumulative MB, seconds or virtual hours at r. Runs that did not complete are
-labelled with their status and never averaged with completed ones.
+the mean over its runs with a shaded band of ± one std. Runs are aligned on round
+numbers: a group's point at round r averages each run's last evaluated accuracy at or
+before r, and its x is the mean of the runs' cumulative MB, seconds or virtual hours at r.
+Runs that did not complete are labelled with their status and never averaged with
+completed ones.
 """
 
 from __future__ import annotations
@@ -168,7 +169,8 @@ def _style(xs) -> dict:
 
 
 def _label(run, keys: list[str]) -> str:
-    parts = [value(run.get(k)) if k == "algorithm.name" else f"{key_header(k, keys)}={value(run.get(k))}"
+    parts = [value(run.get(k)) if k == "algorithm.name"
+             else f"{key_header(k, keys)}={value(run.get(k))}"
              for k in keys if k == "algorithm.name" or run.get(k) is not None]
     status = "" if run.completed else f" [{run.status}]"
     return ", ".join(parts) + status
