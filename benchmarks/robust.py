@@ -93,6 +93,12 @@ def main() -> None:
     parser.add_argument("--device", default="cpu",
                         help="where the blocks are sorted and multiplied (cpu, cuda, cuda:1)")
     args = parser.parse_args()
+    try:
+        where = torch.device(args.device)
+    except RuntimeError:
+        parser.error(f"--device {args.device!r}: give cpu, cuda or cuda:N")
+    if where.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: torch finds no CUDA device here")
     torch.set_num_threads(1)
     comm = MPIComm()
     d, k, workers = args.params, args.clients, comm.num_workers

@@ -150,3 +150,19 @@ def test_the_sharded_rule_is_the_gather_on_rank_0_reference_bit_for_bit(ranks, r
     proc = mpirun(ranks, [sys.executable, str(script), "--mode", "reduce", "--rule", rule,
                           "--params", "150000", "--clients", "11", "--repeat", "1", "--check"])
     assert json.loads(proc.stdout)["sharded_equals_gathered"] is True
+
+
+@pytest.mark.parametrize("device, says", [("nope", "--device 'nope': give cpu, cuda or cuda:N"),
+                                          ("cuda:0", "torch finds no CUDA device here")])
+def test_the_robust_benchmark_refuses_a_device_it_cannot_use(device, says):
+    """One line from argparse, exit 2, before any MPI or work (a GPU machine: only the
+    bad name)."""
+    import subprocess
+    from pathlib import Path
+    if device != "nope" and torch.cuda.is_available():
+        pytest.skip("this machine has the device")
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "robust.py"
+    proc = subprocess.run([sys.executable, str(script), "--device", device],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].endswith(says)
+
