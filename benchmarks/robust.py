@@ -107,7 +107,7 @@ def main() -> None:
             for c in assignment[comm.worker_index]] if comm.is_worker else []
     coefficients, per_block = _rule(args.rule, args.f)
     # the workers' blocks on the device; gathering, rank 0's (the same kernels: --check)
-    server_device = None if args.device == "cpu" else torch.device(args.device)
+    server_device = None if where.type == "cpu" else where
     device = server_device if comm.is_worker else None
     space, seconds = Workspace(), []
     for _ in range(args.repeat):

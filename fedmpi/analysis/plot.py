@@ -112,7 +112,8 @@ def _legend(ax) -> None:
 def _run_labels(runs, paper: str | None) -> list[str]:
     """Each run's label: the paper's method name (then the differing keys where two runs
     share one), or the differing keys (and the seed)."""
-    keys = differing_keys(runs) + (["seed"] if len({r.get("seed") for r in runs}) > 1 else [])
+    seeds = len({r.get("seed") for r in runs}) > 1
+    keys = differing_keys(runs) + (["seed"] if seeds else [])
     plain = [_label(run, keys or ["algorithm.name"]) for run in runs]
     if paper is None:
         return plain
@@ -121,7 +122,7 @@ def _run_labels(runs, paper: str | None) -> list[str]:
         raise UsageError(f"--paper {paper!r}: allowed are {', '.join(sorted(LAYOUTS))}")
     layout = LAYOUTS[paper]
     names = [layout.label({k: run.get(k) for k in layout.method_keys}) for run in runs]
-    if len({r.get("seed") for r in runs}) > 1:
+    if seeds:
         names = [f"{n}, seed={value(r.get('seed'))}" for n, r in zip(names, runs)]
     return [f"{n} ({p})" if names.count(n) > 1 else n for n, p in zip(names, plain)]
 
