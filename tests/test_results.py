@@ -306,3 +306,23 @@ def test_schema_v1_file_from_a_real_run_still_reads():
         assert sd["body.0.weight"].shape == (4, 1, 5, 5) and sd["classifier.bias"].shape == (10,)
         assert sum(v.size for v in sd.values()) == d == run.model().size
         assert run.partition()["client_sizes"].sum() == 600
+
+
+@pytest.mark.parametrize("edit", ["set_status", "write_model"])
+def test_a_writer_whose_file_was_replaced_never_opens_the_new_one(tmp_path, edit):
+    """A user's `mv` over a live run's file: the writer's next edit used to open the new
+    file for writing before it saw the inode differ, and opening r+ writes the superblock's
+    flags, so the replacement's bytes changed under a reader that looked at that moment."""
+    path, other = tmp_path / "run.h5", tmp_path / "other.h5"
+    make_writer(other).close()
+    writer = make_writer(path)
+    os.replace(other, path)
+    replaced = path.read_bytes()
+    os.utime(path, ns=(1, 1))   # a write would move the time; an open for reading does not
+    call = {"set_status": lambda: writer.set_status("failed"),
+            "write_model": lambda: writer.write_model(np.zeros(N_PARAMS))}[edit]
+    with pytest.raises(RuntimeError, match="was replaced by another process during this run"):
+        call()
+    assert path.read_bytes() == replaced and os.stat(path).st_mtime_ns == 1
+    writer.close()
+    assert path.read_bytes() == replaced and os.stat(path).st_mtime_ns == 1

@@ -210,15 +210,17 @@ class ResultsWriter:
         Why reopen: a SWMR writer may only append to existing datasets.
         """
         self._file.close()
+        self._check_still_ours()   # before opening: opening r+ writes the superblock's flags
         try:
             self._file = reopen(self.path)
-        except FileNotFoundError:   # `rm` of the file: what it held went with it
-            raise FileReplacedError(f"results file {self.path} was removed by another process "
-                                    f"during this run; its rounds went with it") from None
-        if _inode(self.path) != self._inode:
+        except FileNotFoundError:
+            self._check_still_ours()
+            raise
+        try:
+            self._check_still_ours()   # replaced between the check and the open
+        except FileReplacedError:
             self._file.close()
-            raise FileReplacedError(f"results file {self.path} was replaced by another process "
-                                    f"during this run; this run's results are not in it")
+            raise
         try:
             yield self._file
         finally:
@@ -226,6 +228,18 @@ class ResultsWriter:
             if not self._file.swmr_mode:
                 self._file.swmr_mode = True
             self._bind_columns()
+
+    def _check_still_ours(self) -> None:
+        """Raise if the path no longer names the file this writer created: removed (`rm`:
+        what it held went with it) or replaced (a user's `mv` over it)."""
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            raise FileReplacedError(f"results file {self.path} was removed by another process "
+                                    f"during this run; its rounds went with it") from None
+        if (st.st_dev, st.st_ino) != self._inode:
+            raise FileReplacedError(f"results file {self.path} was replaced by another process "
+                                    f"during this run; this run's results are not in it")
 
     def close(self) -> None:
         """Flush and close; safe to call twice."""
