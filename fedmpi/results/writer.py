@@ -213,11 +213,10 @@ class ResultsWriter:
         self._check_still_ours()   # before opening: opening r+ writes the superblock's flags
         try:
             self._file = reopen(self.path)
+            self._check_still_ours()   # replaced between the check and the open
         except FileNotFoundError:
             self._check_still_ours()
             raise
-        try:
-            self._check_still_ours()   # replaced between the check and the open
         except FileReplacedError:
             self._file.close()
             raise
@@ -233,11 +232,11 @@ class ResultsWriter:
         """Raise if the path no longer names the file this writer created: removed (`rm`:
         what it held went with it) or replaced (a user's `mv` over it)."""
         try:
-            st = os.stat(self.path)
+            inode = _inode(self.path)
         except FileNotFoundError:
             raise FileReplacedError(f"results file {self.path} was removed by another process "
                                     f"during this run; its rounds went with it") from None
-        if (st.st_dev, st.st_ino) != self._inode:
+        if inode != self._inode:
             raise FileReplacedError(f"results file {self.path} was replaced by another process "
                                     f"during this run; this run's results are not in it")
 
@@ -345,11 +344,8 @@ class FileReplacedError(RuntimeError):
     """The results file at the writer's path is no longer the one it created."""
 
 
-def _inode(path: Path) -> tuple[int, int] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
+def _inode(path: Path) -> tuple[int, int]:
+    st = os.stat(path)
     return st.st_dev, st.st_ino
 
 
