@@ -190,6 +190,7 @@ def test_eval_rows_after_a_checkpoint_are_cut_on_resume(tmp_path):
     ({"eval": {"probes": ["linear"], "finetune_fractions": [0.0]}}, "eval.finetune_fractions"),
     ({"eval": {"probes": ["linear"], "finetune_fractions": ["1%"]}}, "eval.finetune_fractions"),
     ({"eval": {"probes": ["linear"], "linear_epochs": 0}}, "eval.linear_epochs"),
+    ({"eval": {"probes": ["linear"], "linear_head": "l2"}}, "eval.linear_head"),
     ({"eval": {"probes": ["linear"], "probe_every": -1}}, "eval.probe_every"),
     ({"eval": {"probes": ["linear"], "local_spectra": True}}, "eval.local_spectra"),
     ({"eval": {"probes": ["linear"]}, "algorithm": {"name": "fedavg"}}, "eval.probes"),
@@ -246,10 +247,32 @@ def test_evaluate_after_an_evaluate_killed_while_it_wrote(single, tmp_path, capf
     assert evals["round"].tolist() == [2, 3, 3] and evals["linear_acc"][-1] == row["linear_acc"]
     from fedmpi.analysis.report import summarize
     assert summarize(copy).splitlines()[-1] == (
-        f"probes       linear {100 * row['linear_acc']:.2f}% (round 3), fine-tune 5% "
+        f"probes       linear {100 * row['linear_acc']:.2f}% (round 3, fedmpi evaluate --set "
+        f"eval.linear_epochs=20), fine-tune 5% "
         f"{100 * evals['finetune_5pct_acc'][1]:.2f}% (round 3), fine-tune 25% "
         f"{100 * evals['finetune_25pct_acc'][1]:.2f}% (round 3), effective rank "
         f"{evals['effective_rank'][1]:.2f} (round 3)")
+
+
+def test_evaluate_records_the_settings_it_changed_by_row(single, tmp_path):
+    """A probe row of `fedmpi evaluate --set eval.linear_head=standard` is another
+    protocol than the run's: the file keeps which settings each such row changed."""
+    copy = tmp_path / "copy.h5"
+    copy.write_bytes(single.read_bytes())
+    plain = evaluate_file(copy, ["linear"], [], quiet=True)
+    std = evaluate_file(copy, ["linear"], ["eval.linear_head=standard"], quiet=True)
+    with RunFile(copy) as run:
+        evals, overrides = run.evals(), run.eval_overrides()
+    assert overrides == {2: [], 3: ["eval.linear_head=standard"]}
+    assert evals["linear_acc"][2:].tolist() == [plain["linear_acc"], std["linear_acc"]]
+    assert plain["linear_acc"] == evals["linear_acc"][1]          # the run's own protocol
+    with RunFile(single) as run:
+        assert run.eval_overrides() == {}
+    # a table of both runs names the probe that another protocol measured
+    from fedmpi.analysis.report import confound_line
+    from fedmpi.analysis.runs import Run
+    assert confound_line([Run(single), Run(copy)], ["seed"]) == (
+        "probes by fedmpi evaluate: linear_acc --set eval.linear_head=standard (1 of 2 runs)")
 
 
 def test_report_shows_the_probes_and_plot_draws_the_spectrum(single, tmp_path):

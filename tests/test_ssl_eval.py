@@ -151,6 +151,31 @@ def test_linear_probe_separable_and_deterministic():
         linear_probe(x, y, tx, ty, 3, torch.Generator(), epochs=0)
 
 
+def test_the_standard_probe_is_scale_free_and_learns_where_the_raw_one_oscillates():
+    """A collapsed encoder's features: the class signal small beside a large common
+    component, norms in the hundreds (FedX-BYOL's 30-round CNN: median norm 659). Adam's
+    lr 3e-3 then moves the logits by hundreds a step and the raw probe scores near chance;
+    standardised, the features are the clusters again, whatever their scale."""
+    x, y = clusters(100, dim=32, classes=4)
+    tx, ty = clusters(40, dim=32, classes=4, seed=1)
+    offset = 20 * torch.randn(32, generator=torch.Generator().manual_seed(7))
+
+    def probe(scale, head_input):
+        return linear_probe(scale * (x + offset), y, scale * (tx + offset), ty, 4,
+                            torch.Generator().manual_seed(3), epochs=20, batch_size=64,
+                            head_input=head_input)
+
+    a, b = ssl_eval.standardize(x + offset, tx + offset)
+    a2, b2 = ssl_eval.standardize(1024 * (x + offset), 1024 * (tx + offset))
+    assert torch.equal(a, a2) and torch.equal(b, b2)        # a power of 4: exactly scale-free
+    assert probe(1024.0, "standard") == probe(1.0, "standard") > 0.95
+    assert probe(1024.0, "raw") < 0.7
+    constant = torch.cat([x, torch.ones(len(x), 1)], 1)     # a dead unit: shifted, not divided by 0
+    assert torch.isfinite(ssl_eval.standardize(constant, constant)[0]).all()
+    with pytest.raises(UsageError, match="head_input='bn': must be 'raw' or 'standard'"):
+        probe(1.0, "bn")
+
+
 # ---- stratified subset -------------------------------------------------------------------
 
 def test_stratified_subset_counts_and_seed():
@@ -273,7 +298,7 @@ def test_effective_rank_isotropic_and_rank_one():
         math.exp(-(0.75 * math.log(0.75) + 0.25 * math.log(0.25))))
 
 
-def test_the_fine_tuning_head_is_a_config_choice():
+def test_the_probe_heads_are_config_choices():
     from fedmpi import config as cfg
 
     assert cfg.resolve(preset="fussl_fmnist_silo").eval.finetune_head == "raw"   # FedU^2's code
@@ -281,3 +306,6 @@ def test_the_fine_tuning_head_is_a_config_choice():
                        overrides=["eval.finetune_head=l2"]).eval.finetune_head == "l2"
     with pytest.raises(UsageError, match=r"^config field eval.finetune_head: 'bn' is not allowed"):
         cfg.resolve(preset="fussl_fmnist_silo", overrides=["eval.finetune_head=bn"])
+    assert cfg.resolve(preset="fussl_fmnist_silo").eval.linear_head == "raw"
+    with pytest.raises(UsageError, match=r"^config field eval.linear_head: 'l2' is not allowed"):
+        cfg.resolve(preset="fussl_fmnist_silo", overrides=["eval.linear_head=l2"])

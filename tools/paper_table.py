@@ -74,7 +74,8 @@ def main(sources, row_key, setting, metric, at, target, smooth, fmt, strict, pap
     if fmt == "csv":
         click.echo(render.csv_table(_csv_rows(labels, columns, cells, row_key, settings, metrics)), nl=False)
         if also:   # the CSV stays a table a program reads
-            click.echo(f"paper_table: {also}", err=True)
+            for line in also.splitlines():
+                click.echo(f"paper_table: {line}", err=True)
         return
     headers = [render.key_header(row_key, [row_key])] + [
         _setting_title(s, settings) + f" {_metric_title(m)}" for s in columns for m in metrics]
@@ -105,7 +106,8 @@ def _paper(runs, layout, settings, at, targets, smooth, fmt):
             out.append(row)
         click.echo(render.csv_table(out), nl=False)
         if also:
-            click.echo(f"paper_table: {also}", err=True)
+            for line in also.splitlines():
+                click.echo(f"paper_table: {line}", err=True)
         return
     headers = ["method"] + [f"{_setting_title(c, table.settings)} {_metric_title(m)}"
                             for c in table.columns for m in kept[c]]

@@ -76,7 +76,8 @@ def report(sources, strict, group_by, smooth, at, target, window, fmt, columns, 
                nl=fmt != "csv")
     also = confound_line(runs, list(group_by)) if fmt == "csv" else ""
     if also:   # the text and Markdown tables carry it; the CSV stays a table a program reads
-        click.echo(f"fedmpi report: {also}", err=True)
+        for line in also.splitlines():
+            click.echo(f"fedmpi report: {line}", err=True)
 
 
 @click.command()

@@ -253,6 +253,32 @@ def probe_results(run) -> dict[str, float]:
     return out
 
 
+def posthoc_probes(run) -> dict[str, list[str]]:
+    """{probe column: the eval.* settings `fedmpi evaluate` changed} for each column whose
+    last value (the one ``probe_results`` reports) came from a row of `fedmpi evaluate`."""
+    evals = getattr(run, "evals", None) or {}
+    posthoc = np.asarray(evals.get("posthoc", ()), dtype=float)
+    out = {}
+    for name, values in evals.items():
+        measured = np.flatnonzero(np.isfinite(np.asarray(values, dtype=float)))
+        if name not in PROBE_SKIP and measured.size and posthoc.size and posthoc[measured[-1]] == 1:
+            out[name] = run.eval_overrides.get(int(measured[-1]), [])
+    return out
+
+
+def posthoc_line(runs) -> str:
+    """``probes by fedmpi evaluate: linear_acc --set eval.linear_head=standard (17 of 17
+    runs)``: the probe values a table shows that `fedmpi evaluate` measured, and with
+    which settings; '' when none."""
+    counts: dict[str, int] = {}
+    for run in runs:
+        for name, overrides in posthoc_probes(run).items():
+            what = " ".join([name] + [f"--set {o}" for o in overrides])
+            counts[what] = counts.get(what, 0) + 1
+    parts = [f"{what} ({n} of {len(runs)} runs)" for what, n in sorted(counts.items())]
+    return "probes by fedmpi evaluate: " + "; ".join(parts) if parts else ""
+
+
 def summary(run, at=(), targets=(), smooth: float | None = None, windows=(),
             norm: bool = False) -> dict:
     """Every per-run number in one flat dict (the columns of ``runs_table``).

@@ -29,6 +29,7 @@ def summarize(path) -> str:
     """File, status, experiment, progress, accuracy, traffic and timing, one fact per line."""
     with open_run(path) as run:
         attrs, config, rounds, evals = run.attrs, run.config, run.rounds(), run.evals()
+        overrides = run.eval_overrides()
     lines = [("file", str(path)), ("status", _status(attrs, path))]
     lines += _experiment(config)
     lines += _parameters(config, attrs)
@@ -40,7 +41,7 @@ def summarize(path) -> str:
     lines += _ranks(attrs)
     lines += _timing(rounds)
     lines += _virtual(rounds)
-    lines += _probes(evals)
+    lines += _probes(evals, overrides)
     return "\n".join(f"{label:<{_WIDTH}}{text}" for label, text in lines)
 
 
@@ -292,20 +293,25 @@ def probe_order(name: str) -> tuple:
     return (0 if name == "linear_acc" else 2, 0.0)
 
 
-def _probes(evals: dict) -> list[tuple[str, str]]:
+def _probes(evals: dict, overrides: dict | None = None) -> list[tuple[str, str]]:
     """The last measurement of each probe of the encoder (/eval) and the round it probed,
-    e.g. ``linear 22.00% (round 3), effective rank 11.42 (round 3)``."""
-    parts = []
+    e.g. ``linear 22.00% (round 3), effective rank 11.42 (round 3)``; a row of `fedmpi
+    evaluate` says so, with the eval.* settings it changed (``overrides``, by row)."""
+    parts, overrides = [], overrides or {}
+    posthoc = np.asarray(evals.get("posthoc", np.full(len(evals.get("round", ())), np.nan)))
     for name in sorted(filter(is_probe, evals), key=probe_order):
         values = np.asarray(evals[name], dtype=float)
         measured = np.flatnonzero(np.isfinite(values))
         if not measured.size:
             continue
-        value, when = values[measured[-1]], int(evals["round"][measured[-1]])
+        row = measured[-1]
+        value, when = values[row], f"round {int(evals['round'][row])}"
+        if posthoc[row] == 1:
+            when += ", fedmpi evaluate" + "".join(f" --set {o}" for o in overrides.get(int(row), ()))
         if name == "effective_rank":
-            parts.append(f"effective rank {value:.2f} (round {when})")
+            parts.append(f"effective rank {value:.2f} ({when})")
         else:
             label = "linear" if name == "linear_acc" else \
                 f"fine-tune {name[len('finetune_'):-len('pct_acc')]}%"
-            parts.append(f"{label} {100 * value:.2f}% (round {when})")
+            parts.append(f"{label} {100 * value:.2f}% ({when})")
     return [("probes", ", ".join(parts))] if parts else []

@@ -85,6 +85,12 @@ class Run:
             return f.evals()
 
     @cached_property
+    def eval_overrides(self) -> dict[int, list[str]]:
+        """{/eval row: the eval.* settings `fedmpi evaluate` changed for it}."""
+        with open_run(self.path) as f:
+            return f.eval_overrides()
+
+    @cached_property
     def spectrum(self) -> np.ndarray:
         """/eval/spectrum: [evaluations, F] singular values, rows aligned with ``evals``."""
         with open_run(self.path) as f:

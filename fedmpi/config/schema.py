@@ -136,6 +136,8 @@ class EvalConfig:
     probes: list = field(default_factory=list)
     probe_every: int = 0               # rounds between probes; 0 = after the last round only
     linear_epochs: int = 200           # linear probe: Adam lr 3e-3, batch 512 (FedU^2 code)
+    linear_head: str = "raw"           # what the probe sees: raw (FedU^2 code) | standard (each
+                                       # feature standardised by the training features' mean, std)
     finetune_epochs: int = 200         # fine-tuning: SGD, batch 128, crop + flip (FedU^2 code)
     finetune_fractions: list[float] = field(default_factory=lambda: [0.01, 0.1])
     finetune_head: str = "raw"         # what the fine-tuning head sees: raw (the encoder's

@@ -22,8 +22,8 @@ from .validate_privacy import validate_privacy
 from .validate_robust import validate_robust, validate_tracking
 from .validate_system import validate_system_model
 from .vocab import (ASYNC_MODES, DOWN_CODECS, EMPTY_ROUNDS, FEEDBACK, FINETUNE_HEADS,
-                    GROUP_MAX, LOCAL_OPTIMIZERS, LOCAL_SCHEDULES, PRECISIONS, PROBES, ROUND_SCHEDULES,
-                    SAMPLING, UP_CODECS)
+                    GROUP_MAX, LINEAR_HEADS, LOCAL_OPTIMIZERS, LOCAL_SCHEDULES, PRECISIONS,
+                    PROBES, ROUND_SCHEDULES, SAMPLING, UP_CODECS)
 
 # deferred imports: fedmpi.algorithms imports this package (a cycle at load time), and it,
 # .models and .data import torch, which this package must not load: fedmpi.analysis,
@@ -358,6 +358,7 @@ def _validate_probes(c: ExperimentConfig) -> None:
     for name in ("eval.linear_epochs", "eval.finetune_epochs"):
         _positive(name, getattr(e, name.split(".")[1]))
     _one_of("eval.finetune_head", e.finetune_head, FINETUNE_HEADS)
+    _one_of("eval.linear_head", e.linear_head, LINEAR_HEADS)
     if not e.finetune_fractions or not all(0 < f <= 1 for f in e.finetune_fractions):
         raise field_error("eval.finetune_fractions",
                           f"must be fractions in (0, 1], got {e.finetune_fractions}")

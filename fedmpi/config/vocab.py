@@ -15,6 +15,7 @@ LOCAL_OPTIMIZERS = ("sgd", "adam")
 # [eval] (fedmpi.runtime.probes) and [system]
 PROBES = ("linear", "finetune", "spectrum")
 FINETUNE_HEADS = ("raw", "l2")
+LINEAR_HEADS = ("raw", "standard")
 PRECISIONS = ("fp32", "tf32", "bf16")
 
 # [compression] (fedmpi.runtime.compression)

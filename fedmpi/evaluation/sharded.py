@@ -67,7 +67,8 @@ def probe_column(task: tuple[str, float]) -> str:
 
 
 def run_probe(task, encoder, data, num_classes: int, seed: int, key: int, *,
-              linear_epochs: int, finetune_epochs: int, finetune_head: str = "raw") -> float:
+              linear_epochs: int, finetune_epochs: int, finetune_head: str = "raw",
+              linear_head: str = "raw") -> float:
     """Test accuracy of one probe task on this worker (fedmpi.evaluation.ssl): ``seed`` fixes
     the labelled subset (the same at every evaluation), ``key`` the training's draws."""
     kind, fraction = task
@@ -77,7 +78,7 @@ def run_probe(task, encoder, data, num_classes: int, seed: int, key: int, *,
         train = features(encoder, data.train_x, prepare)
         test = features(encoder, data.test_x, prepare)
         return linear_probe(train, data.train_y, test, data.test_y, num_classes, generator,
-                            epochs=linear_epochs)
+                            epochs=linear_epochs, head_input=linear_head)
     idx = torch.as_tensor(stratified_subset(data.train_y, fraction, seed), device=data.device)
     result = fine_tune(encoder, data.train_x[idx], data.train_y[idx], data.test_x, data.test_y,
                        num_classes, generator, prepare=prepare, epochs=finetune_epochs,

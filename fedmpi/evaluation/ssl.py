@@ -255,18 +255,35 @@ def _batches(n: int, batch_size: int, generator: torch.Generator) -> Iterable[to
     return order.split(batch_size)
 
 
+def standardize(train_feats: torch.Tensor, test_feats: torch.Tensor):
+    """Both sets shifted and scaled by the training features' per-feature mean and std
+    (BatchNorm without affine, with the exact training statistics); a constant feature is
+    only shifted."""
+    mean, std = train_feats.mean(0), train_feats.std(0, correction=0)
+    std = torch.where(std > 0, std, torch.ones_like(std))
+    return (train_feats - mean) / std, (test_feats - mean) / std
+
+
 def linear_probe(train_feats: torch.Tensor, train_labels: torch.Tensor, test_feats: torch.Tensor,
                  test_labels: torch.Tensor, num_classes: int, generator: torch.Generator,
-                 epochs: int = 200, lr: float = 3e-3, batch_size: int = 512) -> float:
+                 epochs: int = 200, lr: float = 3e-3, batch_size: int = 512,
+                 head_input: str = "raw") -> float:
     """Test accuracy of Linear(F, C) trained by Adam on frozen features (no augmentation).
 
-    Initialisation and batch order come from `generator` only: deterministic.
+    `head_input`: "raw" (the features as they are: FedU^2's code) or "standard"
+    (``standardize``: Adam's steps move the logits in proportion to the features' scale,
+    so raw features of norm in the hundreds leave the probe oscillating). Initialisation
+    and batch order come from `generator` only: deterministic.
     """
     for name, value in (("num_classes", num_classes), ("epochs", epochs), ("batch_size", batch_size)):
         _positive(name, value)
     _positive("lr", lr, integer=False)
+    if head_input not in ("raw", "standard"):
+        raise UsageError(f"head_input={head_input!r}: must be 'raw' or 'standard'")
     device = train_feats.device
     train_feats, test_feats = train_feats.float(), test_feats.float()
+    if head_input == "standard":
+        train_feats, test_feats = standardize(train_feats, test_feats)
     train_labels, test_labels = train_labels.to(device, torch.int64), test_labels.to(device, torch.int64)
     head = _linear(train_feats.shape[1], num_classes, generator, device)
     optimizer = torch.optim.Adam(head.parameters(), lr=lr)

@@ -109,6 +109,15 @@ class RunFile:
         return self._columns("eval") if "eval" in self._file else {}
 
     @_reads
+    def eval_overrides(self) -> dict[int, list[str]]:
+        """{/eval row: the eval.* settings `fedmpi evaluate` changed for it} for the rows it
+        wrote (posthoc = 1); {} for a file without any."""
+        if "eval" not in self._file:
+            return {}
+        text = self._file["eval"].attrs.get("posthoc_overrides", "{}")
+        return {int(row): list(values) for row, values in json.loads(text).items()}
+
+    @_reads
     def spectrum(self) -> np.ndarray:
         """/eval/spectrum [evaluations, F]: singular values of the global encoder's feature
         covariance, descending (NaN rows: not measured); shape (0, 0) without any."""

@@ -282,9 +282,10 @@ class ResultsWriter:
 
 
 def append_eval(h5file: h5py.File, row: dict[str, float], spectrum: np.ndarray | None,
-                local: dict | None = None) -> None:
+                local: dict | None = None, overrides: list[str] | None = None) -> None:
     """Append one /eval row (and spectrum row, and /local_spectra rows) to an open,
-    writable results file."""
+    writable results file; ``overrides``: a `fedmpi evaluate` row's eval.* settings, kept
+    by row in the group's ``posthoc_overrides``."""
     if local:
         _append_local_spectra(h5file, int(row["round"]), local)
     group = h5file.require_group("eval")
@@ -298,6 +299,9 @@ def append_eval(h5file: h5py.File, row: dict[str, float], spectrum: np.ndarray |
             label(group.create_dataset(name, shape=(n,), maxshape=(None,), dtype=dtype,
                                         fillvalue=schema.fill_value(name), chunks=(64,)))
     group.attrs["fields"] = json.dumps(fields)
+    if overrides is not None:
+        posthoc = json.loads(group.attrs.get("posthoc_overrides", "{}"))
+        group.attrs["posthoc_overrides"] = json.dumps({**posthoc, str(n): list(overrides)})
     for name in fields:
         ds = group[name]
         ds.resize((n + 1,))

@@ -47,7 +47,7 @@ def run(comm, encoder, data, num_classes: int, config, round_: int, local=None):
             results[probe_column(task)] = run_probe(
                 task, encoder, data, num_classes, subset_seed, key_seed(seed, "probe", round_, i),
                 linear_epochs=e.linear_epochs, finetune_epochs=e.finetune_epochs,
-                finetune_head=e.finetune_head)
+                finetune_head=e.finetune_head, linear_head=e.linear_head)
         if "spectrum" in e.probes:
             chunks = spectrum_worker(encoder, data, comm.worker_index, comm.num_workers)
     parts = comm.gather_obj((results, chunks, local or {}))
@@ -119,7 +119,7 @@ def _evaluate_locked(path, probe_names, overrides, quiet: bool) -> dict:
     row["posthoc"] = 1.0
     h5file = reopen(path)
     try:
-        append_eval(h5file, row, values, None)
+        append_eval(h5file, row, values, None, overrides=list(overrides))
     finally:
         h5file.close()
     if not quiet:
