@@ -2,6 +2,7 @@
 process vs `mpirun -n 3` bitwise, `fedmpi evaluate` on a finished run, resume cuts,
 and one-line errors for bad probe settings."""
 
+import json
 import socket
 import subprocess
 import sys
@@ -268,6 +269,14 @@ def test_evaluate_records_the_settings_it_changed_by_row(single, tmp_path):
     assert plain["linear_acc"] == evals["linear_acc"][1]          # the run's own protocol
     with RunFile(single) as run:
         assert run.eval_overrides() == {}
+    for bad in ("{not json", '["eval.linear_head=standard"]', '{"x": []}', '{"2": 5}'):
+        with h5py.File(copy, "r+") as h5file:                        # hand-edited or damaged
+            h5file["eval"].attrs["posthoc_overrides"] = bad
+        with RunFile(copy) as run, pytest.raises(UsageError, match=(
+                r"^results file .* cannot be read \(/eval's posthoc_overrides is not a JSON")):
+            run.eval_overrides()
+    with h5py.File(copy, "r+") as h5file:
+        h5file["eval"].attrs["posthoc_overrides"] = json.dumps(overrides)
     # a table of both runs names the probe that another protocol measured
     from fedmpi.analysis.report import confound_line
     from fedmpi.analysis.runs import Run

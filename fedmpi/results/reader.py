@@ -115,7 +115,11 @@ class RunFile:
         if "eval" not in self._file:
             return {}
         text = self._file["eval"].attrs.get("posthoc_overrides", "{}")
-        return {int(row): list(values) for row, values in json.loads(text).items()}
+        try:
+            return {int(row): [str(v) for v in values] for row, values in json.loads(text).items()}
+        except (ValueError, TypeError, AttributeError) as exc:   # not JSON, or not {row: [...]}
+            raise UsageError(f"results file {self.path} cannot be read (/eval's posthoc_overrides "
+                             f"is not a JSON object of row: settings)") from exc
 
     @_reads
     def spectrum(self) -> np.ndarray:
