@@ -307,7 +307,8 @@ def _probes(evals: dict, overrides: dict | None = None) -> list[tuple[str, str]]
         row = measured[-1]
         value, when = values[row], f"round {int(evals['round'][row])}"
         if posthoc[row] == 1:
-            when += ", fedmpi evaluate" + "".join(f" --set {o}" for o in overrides.get(int(row), ()))
+            settings = overrides.get(int(row), ())
+            when += ", fedmpi evaluate" + "".join(f" --set {o}" for o in settings)
         if name == "effective_rank":
             parts.append(f"effective rank {value:.2f} ({when})")
         else:

@@ -27,8 +27,8 @@ Sections of a TOML file (every key optional)::
                  nesterov, optimizer (sgd | adam), adam_betas, adam_eps, weight_decay,
                  grad_clip, global_lr
     [eval]       every, batch_size, update_stats, and for self-supervised runs the probes
-                 (probes, probe_every, linear_epochs, linear_head, finetune_epochs, finetune_fractions,
-                 finetune_head, local_spectra)
+                 (probes, probe_every, linear_epochs, linear_head, finetune_epochs,
+                 finetune_fractions, finetune_head, local_spectra)
     [system]     device, gpu_share, precision, deterministic, threads, state_memory_mb,
                  state_dir, checkpoint_every
     [privacy]    mechanism (off | central | local | sample), clip, noise_multiplier, target_epsilon, delta,
