@@ -116,7 +116,10 @@ class RunFile:
             return {}
         text = self._file["eval"].attrs.get("posthoc_overrides", "{}")
         try:
-            return {int(row): [str(v) for v in values] for row, values in json.loads(text).items()}
+            rows = json.loads(text).items()
+            if not all(isinstance(values, list) for _, values in rows):
+                raise TypeError("settings that are not a list")
+            return {int(row): [str(v) for v in values] for row, values in rows}
         except (ValueError, TypeError, AttributeError) as exc:   # not JSON, or not {row: [...]}
             raise UsageError(f"results file {self.path} cannot be read (/eval's posthoc_overrides "
                              f"is not a JSON object of row: settings)") from exc
