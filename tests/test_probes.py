@@ -269,7 +269,8 @@ def test_evaluate_records_the_settings_it_changed_by_row(single, tmp_path):
     assert plain["linear_acc"] == evals["linear_acc"][1]          # the run's own protocol
     with RunFile(single) as run:
         assert run.eval_overrides() == {}
-    for bad in ("{not json", '["eval.linear_head=standard"]', '{"x": []}', '{"2": 5}', '{"2": "ab"}'):
+    for bad in ("{not json", '["eval.linear_head=standard"]', '{"x": []}', '{"2": 5}',
+                '{"2": "ab"}'):
         with h5py.File(copy, "r+") as h5file:                        # hand-edited or damaged
             h5file["eval"].attrs["posthoc_overrides"] = bad
         with RunFile(copy) as run, pytest.raises(UsageError, match=(
