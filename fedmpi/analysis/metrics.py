@@ -240,30 +240,31 @@ CLIENT_SUMMARY = ("client_acc_mean", "client_acc_worst10", "personal_acc_mean",
                   "participation_gap", "out_of_sample_gap")
 
 
+def last_measured(evals: dict) -> dict[str, int]:
+    """Per /eval probe column (not round, seconds, posthoc): the row of its last measured
+    (finite) value, whichever evaluation measured it; columns never measured are left out."""
+    out = {}
+    for name, values in evals.items():
+        measured = np.flatnonzero(np.isfinite(np.asarray(values, dtype=float)))
+        if name not in PROBE_SKIP and measured.size:
+            out[name] = int(measured[-1])
+    return out
+
+
 def probe_results(run) -> dict[str, float]:
     """A self-supervised run's probes (/eval): per column (linear_acc, finetune_<p>pct_acc,
     effective_rank) its last measured value, whichever evaluation measured it; {} without."""
     evals = getattr(run, "evals", None) or {}
-    out = {}
-    for name, values in evals.items():
-        finite = np.asarray(values, dtype=float)
-        finite = finite[np.isfinite(finite)]
-        if name not in PROBE_SKIP and finite.size:
-            out[name] = float(finite[-1])
-    return out
+    return {name: float(evals[name][row]) for name, row in last_measured(evals).items()}
 
 
 def posthoc_probes(run) -> dict[str, list[str]]:
     """{probe column: the eval.* settings `fedmpi evaluate` changed} for each column whose
     last value (the one ``probe_results`` reports) came from a row of `fedmpi evaluate`."""
     evals = getattr(run, "evals", None) or {}
-    posthoc = np.asarray(evals.get("posthoc", ()), dtype=float)
-    out = {}
-    for name, values in evals.items():
-        measured = np.flatnonzero(np.isfinite(np.asarray(values, dtype=float)))
-        if name not in PROBE_SKIP and measured.size and posthoc.size and posthoc[measured[-1]] == 1:
-            out[name] = run.eval_overrides.get(int(measured[-1]), [])
-    return out
+    posthoc = evals.get("posthoc")
+    return {name: run.eval_overrides.get(row, []) for name, row in last_measured(evals).items()
+            if posthoc is not None and posthoc[row] == 1}
 
 
 def posthoc_line(runs) -> str:

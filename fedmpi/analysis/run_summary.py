@@ -15,7 +15,7 @@ import socket
 import numpy as np
 
 from fedmpi.analysis import render
-from fedmpi.analysis.metrics import HOUR, traffic_per_round_mb
+from fedmpi.analysis.metrics import HOUR, last_measured, traffic_per_round_mb
 from fedmpi.analysis.runs import get_key, latest_rows
 from fedmpi.analysis.watch import duration, ending, file_age
 from fedmpi.results import liveness, open_run, schema
@@ -297,17 +297,13 @@ def _probes(evals: dict, overrides: dict | None = None) -> list[tuple[str, str]]
     """The last measurement of each probe of the encoder (/eval) and the round it probed,
     e.g. ``linear 22.00% (round 3), effective rank 11.42 (round 3)``; a row of `fedmpi
     evaluate` says so, with the eval.* settings it changed (``overrides``, by row)."""
-    parts, overrides = [], overrides or {}
-    posthoc = np.asarray(evals.get("posthoc", np.full(len(evals.get("round", ())), np.nan)))
-    for name in sorted(filter(is_probe, evals), key=probe_order):
-        values = np.asarray(evals[name], dtype=float)
-        measured = np.flatnonzero(np.isfinite(values))
-        if not measured.size:
-            continue
-        row = measured[-1]
-        value, when = values[row], f"round {int(evals['round'][row])}"
-        if posthoc[row] == 1:
-            settings = overrides.get(int(row), ())
+    parts, overrides, posthoc = [], overrides or {}, evals.get("posthoc")
+    rows = last_measured(evals)
+    for name in sorted(filter(is_probe, rows), key=probe_order):
+        row = rows[name]
+        value, when = float(evals[name][row]), f"round {int(evals['round'][row])}"
+        if posthoc is not None and posthoc[row] == 1:
+            settings = overrides.get(row, ())
             when += ", fedmpi evaluate" + "".join(f" --set {o}" for o in settings)
         if name == "effective_rank":
             parts.append(f"effective rank {value:.2f} ({when})")
