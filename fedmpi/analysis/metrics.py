@@ -244,9 +244,9 @@ def last_measured(evals: dict) -> dict[str, int]:
     """Per /eval probe column (not round, seconds, posthoc): the row of its last measured
     (finite) value, whichever evaluation measured it; columns never measured are left out."""
     out = {}
-    for name, values in evals.items():
-        measured = np.flatnonzero(np.isfinite(np.asarray(values, dtype=float)))
-        if name not in PROBE_SKIP and measured.size:
+    for name in (name for name in evals if name not in PROBE_SKIP):
+        measured = np.flatnonzero(np.isfinite(np.asarray(evals[name], dtype=float)))
+        if measured.size:
             out[name] = int(measured[-1])
     return out
 
@@ -263,8 +263,10 @@ def posthoc_probes(run) -> dict[str, list[str]]:
     last value (the one ``probe_results`` reports) came from a row of `fedmpi evaluate`."""
     evals = getattr(run, "evals", None) or {}
     posthoc = evals.get("posthoc")
+    if posthoc is None:
+        return {}
     return {name: run.eval_overrides.get(row, []) for name, row in last_measured(evals).items()
-            if posthoc is not None and posthoc[row] == 1}
+            if posthoc[row] == 1}
 
 
 def posthoc_line(runs) -> str:
