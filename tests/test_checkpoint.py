@@ -149,6 +149,30 @@ def test_a_resume_on_other_kernels_says_so(tmp_path, capsys):
     assert capsys.readouterr().err == ""
 
 
+@pytest.mark.parametrize("recorded, says", [("another", True), ("isa only", False)])
+def test_a_resume_on_another_cpu_model_of_the_same_instruction_set_says_so(
+        tmp_path, capsys, recorded, says):
+    """Two AVX-512 CPUs of other models (an EPYC, a Xeon with AMX) compute other last bits
+    with the same software, though torch dispatches both on AVX512: the model is part of the
+    kernels. A file from before the model was recorded ("cpu AVX512") can only be compared
+    by its instruction set: the same one resumes without a word."""
+    ref, crashed = reference_and_crash(tmp_path)
+    here = kernels(torch.device("cpu"))
+    isa = here.split(" on ")[0]
+    was = f"{isa} on Another CPU(R) 9000" if recorded == "another" else isa
+    with h5py.File(crashed, "r+") as f:
+        f.attrs["ranks"] = json.dumps([{**r, "kernels": was} for r in json.loads(f.attrs["ranks"])])
+    values = cfgmod.from_dict({**RunFile(crashed).config, "output": str(crashed)})
+    run_experiment(values, LocalComm(), quiet=True, resume=True)
+    assert capsys.readouterr().err == (
+        f"fedmpi: {crashed} was run under {was} kernels and resumes under {here} kernels: "
+        f"rounds after 4 may differ in their last bits from a run that never stopped\n"
+        if says else "")
+    with RunFile(crashed) as run:
+        assert run.status == "completed"
+        assert run.attrs["resumes"][-1]["ranks"][0]["kernels"] == here
+
+
 def flip_byte(path, dataset: str, at: int = 5) -> None:
     """A bit rot, or a write that never reached the disk: one byte of a dataset's data
     changed in the file itself, past HDF5 (which keeps no checksum of raw data)."""

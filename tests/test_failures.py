@@ -16,7 +16,7 @@ from fedmpi import config as cfg
 from fedmpi.comm import LocalComm
 from fedmpi.results import RunFile
 from fedmpi.runtime import run_experiment
-from fedmpi.runtime.system import kernels
+from fedmpi.runtime.system import cpu_model, kernels
 
 from conftest import ROOT, fedmpi, mpirun, mpirun_path, needs_mpi
 from helpers import TINY, merged, write_config
@@ -232,19 +232,20 @@ def test_a_deterministic_run_over_two_kinds_of_cpu_says_so(tmp_path):
     run goes on; rank 0 says so in one line, --quiet or not, and the file keeps each
     rank's kernels."""
     native = kernels(torch.device("cpu"))
-    if native == "cpu DEFAULT":
+    default = f"cpu DEFAULT on {cpu_model()}"
+    if native == default:
         pytest.skip("this CPU runs torch's default kernels already")
     config = write_config(tmp_path / "c.toml", rounds=1, system={"deterministic": True})
     proc = _on_another_node(tmp_path, config, tmp_path / "run.h5", env="ATEN_CPU_CAPABILITY=default")
     assert proc.returncode == 0, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.startswith("fedmpi:")]
     assert lines == [f"fedmpi: warning: system.deterministic, but the ranks run different "
-                     f"kernels ({native} on ranks 0, 1; cpu DEFAULT on rank 2): a client's bits "
+                     f"kernels ({native}: ranks 0, 1; {default}: rank 2): a client's bits "
                      f"depend on where it trains, and this run is not bitwise that of another "
                      f"rank count; run on one kind of node (sbatch --constraint) for that"], proc.stderr
     with RunFile(tmp_path / "run.h5") as run:
         assert run.status == "completed"
-        assert [r["kernels"] for r in run.attrs["ranks"]] == [native, native, "cpu DEFAULT"]
+        assert [r["kernels"] for r in run.attrs["ranks"]] == [native, native, default]
 
 
 @pytest.mark.slow   # mpirun with several ranks, tens of seconds

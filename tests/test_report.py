@@ -90,5 +90,13 @@ def test_summary_names_the_ranks_and_the_kernels_they_ran(tmp_path):
                        "resumes": [{"round": 4, "ranks": ranks("cpu AVX2", "cpu AVX2")},
                                    {"round": 6, "ranks": ranks("cpu AVX512")}]}) == [
         "ranks        2 on node1 (1 server, 1 worker); cpu AVX2; from round 6 on cpu AVX512"]
+    # the same instruction set on another CPU model is another kind; a rank table from
+    # before the model was recorded is compared by its instruction set only
+    epyc, xeon = "cpu AVX512 on AMD EPYC 9654", "cpu AVX512 on Intel(R) Xeon(R) 8480+"
+    assert ranks_line({"ranks": ranks(epyc), "resumes": [{"round": 3, "ranks": ranks(xeon)}]}) == [
+        f"ranks        1 on node1 (server and worker); {epyc}; from round 3 on {xeon}"]
+    resumes = [{"round": 3, "ranks": ranks(epyc)}, {"round": 5, "ranks": ranks(xeon)}]
+    assert ranks_line({"ranks": ranks("cpu AVX512"), "resumes": resumes}) == [
+        f"ranks        1 on node1 (server and worker); cpu AVX512; from round 5 on {xeon}"]
     assert ranks_line({"ranks": ranks(None, None)}) == ["ranks        2 on node1 (1 server, 1 worker)"]
     assert ranks_line({}) == []

@@ -5,6 +5,7 @@ come from a real mpirun's shared-memory split)."""
 import json
 import os
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,9 +13,10 @@ import torch
 
 from conftest import ROOT, mpirun, needs_mpi
 from fedmpi.errors import UsageError
+from fedmpi.results.schema import kernels_changed
 from fedmpi.runtime.experiment import rank_table
-from fedmpi.runtime.system import (choose_device, choose_threads, kernels, kernels_warning,
-                                  local_rank_info)
+from fedmpi.runtime.system import (choose_device, choose_threads, cpu_model, kernels,
+                                  kernels_warning, local_rank_info)
 
 LAUNCHER_VARS = ("SLURM_CPUS_PER_TASK", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_LOCALID",
                  "SLURM_NTASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE",
@@ -93,9 +95,40 @@ def test_rank_table_names_roles_and_devices():
                                   "kernels": "cpu AVX2"}])
 
 
-def test_kernels_name_the_cpu_instruction_set_torch_dispatches_on():
-    assert kernels(torch.device("cpu")) == f"cpu {torch.backends.cpu.get_cpu_capability()}"
+def test_kernels_name_the_cpu_instruction_set_torch_dispatches_on_and_the_cpu_model():
+    """The instruction set alone does not decide the bits: two AVX-512 machines, both
+    labelled "cpu AVX512", ended the same deterministic 100-round run of FedU^2 (the same
+    commit and torch) 18-22 points of kNN apart (MKL dispatches by vendor, oneDNN by AMX
+    and the cache sizes). The CPU's model now stands beside the instruction set."""
+    model = cpu_model()
+    isa = torch.backends.cpu.get_cpu_capability()
+    assert kernels(torch.device("cpu")) == f"cpu {isa} on {model}"
+    assert model and model == " ".join(model.split())   # one line, single spaces
+    if Path("/proc/cpuinfo").exists():
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        names = [line.split(":", 1)[1] for line in lines
+                 if line.split(":", 1)[0].strip() == "model name"]
+        assert not names or model == " ".join(names[0].split())
     assert kernels(torch.device("meta")) == "meta"
+
+
+def test_kernels_changed_compares_models_and_only_the_instruction_set_with_older_files():
+    def table(*kinds):
+        return [{"rank": r, "device": "cpu", "kernels": k} for r, k in enumerate(kinds)]
+
+    xeon, epyc = "cpu AVX512 on Intel(R) Xeon(R) Platinum 8480+", "cpu AVX512 on AMD EPYC 9654"
+    assert not kernels_changed(table(epyc, epyc), table(epyc))
+    assert kernels_changed(table(xeon), table(epyc))                 # same instruction set
+    assert kernels_changed(table(xeon, xeon), table(xeon, epyc))
+    # a file from before the model was recorded: only the instruction set can be compared
+    assert not kernels_changed(table("cpu AVX512"), table(epyc))
+    assert kernels_changed(table("cpu AVX2"), table(epyc))
+    # nothing recorded on either side: nothing to compare
+    assert not kernels_changed([{"rank": 0, "device": "cpu"}], table(epyc))
+    assert not kernels_changed(table(epyc), [])
+    # GPUs keep their model names
+    assert kernels_changed(table("NVIDIA A100"), table("NVIDIA H100"))
+    assert kernels_warning(table(xeon, epyc)) is not None
 
 
 def test_kernels_warning_names_each_kind_and_its_ranks():
@@ -111,8 +144,8 @@ def test_kernels_warning_names_each_kind_and_its_ranks():
     line = kernels_warning([rank(0, "cpu AVX512"), rank(1, "cpu AVX2"), rank(2, "cpu AVX512"),
                             rank(3, "cpu AVX2")])
     assert "\n" not in line and line.startswith("fedmpi: warning: system.deterministic")
-    assert "(cpu AVX512 on ranks 0, 2; cpu AVX2 on ranks 1, 3)" in line
-    assert "(cpu AVX512 on rank 0; NVIDIA A100 on rank 1; NVIDIA H100 on rank 2)" in kernels_warning(
+    assert "(cpu AVX512: ranks 0, 2; cpu AVX2: ranks 1, 3)" in line
+    assert "(cpu AVX512: rank 0; NVIDIA A100: rank 1; NVIDIA H100: rank 2)" in kernels_warning(
         [rank(0, "cpu AVX512"), rank(1, "NVIDIA A100", "cuda:0"), rank(2, "NVIDIA H100", "cuda:0")])
 
 

@@ -223,9 +223,10 @@ def _ranks(attrs: dict) -> list[tuple[str, str]]:
     kinds = _kernels(ranks)
     text += f"; {kinds}" if kinds else ""
     for resume in attrs.get("resumes") or []:
-        again = _kernels(resume.get("ranks") or [])
-        if again and again != kinds:
-            text, kinds = text + f"; from round {resume.get('round')} on {again}", again
+        again = resume.get("ranks") or []
+        if schema.kernels_changed(ranks, again):
+            text += f"; from round {resume.get('round')} on {_kernels(again)}"
+        ranks = again if _kernels(again) else ranks
     return [("ranks", text)]
 
 

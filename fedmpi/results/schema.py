@@ -99,13 +99,26 @@ def units_of(field: str) -> str | None:
 
 def kernels_by_kind(ranks: list[dict]) -> dict[str, list[int]]:
     """A rank table's (the ``ranks`` provenance attr, or a resume's) ranks by the kind of
-    kernels each ran (``kernels``: "cpu AVX512", a GPU's model), in rank order; ranks
-    recorded without it (files from before it) are left out."""
+    kernels each ran (``kernels``: "cpu AVX512 on AMD EPYC 9654", a GPU's model), in rank
+    order; ranks recorded without it (files from before it) are left out."""
     kinds: dict[str, list[int]] = {}
     for r in ranks:
         if "kernels" in r:
             kinds.setdefault(r["kernels"], []).append(r["rank"])
     return kinds
+
+
+def kernels_changed(before: list[dict], after: list[dict]) -> bool:
+    """Whether two rank tables (a start's and a resume's) ran other kinds of kernels. A
+    CPU's kind is its instruction set and its model ("cpu AVX512 on AMD EPYC 9654"); where
+    either table is from before the model was recorded ("cpu AVX512"), only the
+    instruction sets are compared. False where either recorded none."""
+    was, now = set(kernels_by_kind(before)), set(kernels_by_kind(after))
+    if not was or not now:
+        return False
+    if any(k.startswith("cpu ") and " on " not in k for k in was | now):
+        was, now = ({k.split(" on ")[0] for k in kinds} for kinds in (was, now))
+    return was != now
 
 
 def ranks_text(ranks: list[int]) -> str:

@@ -147,12 +147,12 @@ def resume_file(exp, dataset, ranks) -> bool:
     # else the first start's; files from before either was recorded have none)
     starts = [attrs] + history
     torches = [v for v in (r.get("torch_version") for r in starts) if v]
-    kinds = [kind for kind in (_kernels(r.get("ranks") or []) for r in starts) if kind]
+    tables = [table for table in (r.get("ranks") or [] for r in starts) if _kernels(table)]
     changes = []   # (what computed the rounds so far, what computes them now)
     if torches and torches[-1] != torch.__version__:
         changes.append((f"torch {torches[-1]}", f"torch {torch.__version__}"))
-    if kinds and kinds[-1] != _kernels(ranks):
-        changes.append((f"{kinds[-1]} kernels", f"{_kernels(ranks)} kernels"))
+    if tables and schema.kernels_changed(tables[-1], ranks):
+        changes.append((f"{_kernels(tables[-1])} kernels", f"{_kernels(ranks)} kernels"))
     if changes:
         was, now = (" with ".join(side) for side in zip(*changes))
         warn(f"fedmpi: {path} was run under {was} and resumes under {now}: rounds after "

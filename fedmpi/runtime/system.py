@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
+import platform
 import socket
 from contextlib import contextmanager
 
@@ -194,18 +196,35 @@ def load_warning(threads: int, cores: int | None = None) -> str | None:
 def kernels(device: torch.device) -> str:
     """The kind of arithmetic this rank's training runs, which decides its last bits as
     much as the software does: the GPU's model, or the CPU's vector instruction set as
-    torch dispatches on it ("cpu AVX512", "cpu AVX2"; ``ATEN_CPU_CAPABILITY`` may lower it;
-    MKL and oneDNN choose by the same instruction set)."""
+    torch dispatches on it and the CPU's model ("cpu AVX512 on AMD EPYC 9654";
+    ``ATEN_CPU_CAPABILITY`` may lower the first). The instruction set alone does not
+    decide the bits: MKL dispatches by vendor, and oneDNN by AMX and the cache sizes, so
+    an AVX-512 Xeon and an AVX-512 EPYC end a run with other models."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     if device.type == "cpu":
-        return f"cpu {torch.backends.cpu.get_cpu_capability()}"
+        return f"cpu {torch.backends.cpu.get_cpu_capability()} on {cpu_model()}"
     return device.type
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_model() -> str:
+    """The CPU's model as the OS names it (Linux: /proc/cpuinfo's first ``model name``,
+    else platform.processor(), else the architecture)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and value.strip():
+                    return " ".join(value.split())
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
 
 
 def kernels_warning(ranks: list[dict]) -> str | None:
     """One line for stderr when a deterministic run's ranks of one device type run
-    different kernels (a partition of two CPU generations or GPU models): a client's bits
+    different kernels (a partition of two CPU models or GPU models): a client's bits
     then depend on where it trains, and the run is not bitwise that of another rank count.
     None otherwise (a CPU server beside GPU workers is the usual layout), and for ranks
     recorded without their kernels."""
@@ -216,7 +235,7 @@ def kernels_warning(ranks: list[dict]) -> str | None:
     if all(len(seen) < 2 for seen in types.values()):
         return None
     kinds = schema.kernels_by_kind(ranks)
-    shown = "; ".join(f"{kind} on {schema.ranks_text(at)}" for kind, at in kinds.items())
+    shown = "; ".join(f"{kind}: {schema.ranks_text(at)}" for kind, at in kinds.items())
     return (f"fedmpi: warning: system.deterministic, but the ranks run different kernels "
             f"({shown}): a client's bits depend on where it trains, and this run is not "
             f"bitwise that of another rank count; run on one kind of node (sbatch "
