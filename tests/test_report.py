@@ -1,5 +1,6 @@
 """report.summarize on a synthetic run whose numbers are checkable by hand."""
 
+from conftest import fedmpi
 from fedmpi.analysis.report import summarize
 from fedmpi.results import ResultsWriter
 from fedmpi.results.schema import CLIENT_FIELDS, ROUND_FIELDS
@@ -10,13 +11,15 @@ CONFIG = {"algorithm": {"name": "fedavg"}, "data": {"dataset": "cifar10"}, "mode
           "rounds": 4}
 
 
-def write_run(path, config=CONFIG, status="completed", initial=None, **status_attrs):
+def write_run(path, config=CONFIG, status="completed", initial=None, provenance=None,
+              **status_attrs):
     """4 rounds; accuracy evaluated on rounds 2-4 only; 1 MB down + 0.5 MB up per round.
     With ``initial``: first the row of round 0, the initial model, evaluated to it (10 s,
     1 MB of MPI traffic, no FL traffic)."""
     acc = [NAN, 0.60, 0.75, 0.70]
-    with ResultsWriter.create(path, config=config, provenance={}, round_fields=list(ROUND_FIELDS),
-                              client_fields=list(CLIENT_FIELDS), layout=[], partition={}) as writer:
+    with ResultsWriter.create(path, config=config, provenance=provenance or {},
+                              round_fields=list(ROUND_FIELDS), client_fields=list(CLIENT_FIELDS),
+                              layout=[], partition={}) as writer:
         if initial is not None:
             writer.append_round({"round": 0, "test_acc": initial, "fl_bytes_down": 0, "fl_bytes_up": 0,
                                  "mpi_bytes": 1_000_000, "time_wall": 10.0, "time_eval": 10.0,
@@ -100,3 +103,29 @@ def test_summary_names_the_ranks_and_the_kernels_they_ran(tmp_path):
         f"ranks        1 on node1 (server and worker); cpu AVX512; from round 5 on {xeon}"]
     assert ranks_line({"ranks": ranks(None, None)}) == ["ranks        2 on node1 (1 server, 1 worker)"]
     assert ranks_line({}) == []
+
+
+def test_a_table_over_runs_on_other_kernels_names_them(tmp_path):
+    """The same deterministic config ended 18-22 kNN points apart on two AVX-512 CPUs (a
+    chaotic self-supervised run): a table that mixes them says under it which runs ran on
+    which kernels, a resume onto others included; runs on one kind, and runs that recorded
+    none, add nothing."""
+    epyc, xeon = "cpu AVX512 on AMD EPYC 9654", "cpu AVX512 on Intel(R) Xeon(R) 8480+"
+
+    def run(name, seed, *kinds, resumed=None):
+        ranks = [{"rank": r, "host": "n1", "device": "cpu", "kernels": k}
+                 for r, k in enumerate(kinds)]
+        provenance = {"ranks": ranks} if kinds else {}
+        if resumed:
+            provenance["resumes"] = [{"round": 2, "ranks": [{**ranks[0], "kernels": resumed}]}]
+        write_run(tmp_path / name, config={**CONFIG, "seed": seed}, provenance=provenance)
+        return str(tmp_path / name)
+
+    a, b, c = run("a.h5", 0, epyc, epyc), run("b.h5", 1, epyc), run("c.h5", 2, xeon, xeon)
+    out = fedmpi(["report", a, b, c], check=True).stdout.splitlines()   # under the table
+    assert f"kernels differ: {epyc} (2 of 3 runs), {xeon} (1 of 3 runs)" in out
+    d = run("d.h5", 3, epyc, resumed=xeon)
+    assert f"kernels differ: {epyc} (1 of 2 runs), {epyc} + {xeon} (1 of 2 runs)" in fedmpi(
+        ["report", a, d], check=True).stdout.splitlines()
+    for same in ([a, b], [a, run("e.h5", 4)]):
+        assert "kernels differ" not in fedmpi(["report", *same], check=True).stdout

@@ -32,6 +32,8 @@ import math
 
 import numpy as np
 
+from fedmpi.results import schema
+
 MB = 1e6
 HOUR = 3600.0  # virtual seconds per hour
 
@@ -280,6 +282,22 @@ def posthoc_line(runs) -> str:
             counts[what] = counts.get(what, 0) + 1
     parts = [f"{what} ({n} of {len(runs)} runs)" for what, n in sorted(counts.items())]
     return "probes by fedmpi evaluate: " + "; ".join(parts) if parts else ""
+
+
+def kernels_line(runs) -> str:
+    """``kernels differ: cpu AVX512 on AMD EPYC (20 of 51 runs), ...``: where the runs'
+    ranks ran other kernels (``schema.kernels_by_kind``, over each run's start and
+    resumes), which set the last bits; a chaotic method can end points apart on two kinds.
+    '' when they agree, and runs that recorded none are left out."""
+    counts: dict[str, int] = {}
+    for run in runs:
+        tables = [run.attrs.get("ranks")] + [r.get("ranks") for r in run.attrs.get("resumes") or []]
+        kinds = sorted({kind for table in tables if isinstance(table, list)
+                        for kind in schema.kernels_by_kind(table)})
+        if kinds:
+            counts[" + ".join(kinds)] = counts.get(" + ".join(kinds), 0) + 1
+    parts = [f"{kind} ({n} of {len(runs)} runs)" for kind, n in sorted(counts.items())]
+    return "kernels differ: " + ", ".join(parts) if len(parts) > 1 else ""
 
 
 def summary(run, at=(), targets=(), smooth: float | None = None, windows=(),

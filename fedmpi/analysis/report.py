@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 
 from fedmpi.analysis import render
-from fedmpi.analysis.metrics import (CLIENT_SUMMARY, has_virtual_clock, posthoc_line, target_name,
-                                     window_name)
+from fedmpi.analysis.metrics import (CLIENT_SUMMARY, has_virtual_clock, kernels_line,
+                                     posthoc_line, target_name, window_name)
 # summarize lived here before run_summary; importing it from here still works
 from fedmpi.analysis.run_summary import is_probe, probe_order, summarize  # noqa: F401
 from fedmpi.analysis.tables import confounds, group_keys, group_table
@@ -81,12 +81,14 @@ def _keys(runs, group_by) -> list[str]:
 
 def confound_line(runs, group_by=None) -> str:
     """``also differ: train.weight_decay, ...``: config keys the rows differ in besides
-    the grouping keys (``tables.confounds``), and a line for probe values `fedmpi evaluate`
-    measured (``metrics.posthoc_line``); '' when neither. Under a text or Markdown
+    the grouping keys (``tables.confounds``), a line for probe values `fedmpi evaluate`
+    measured (``metrics.posthoc_line``) and one for runs on other kernels
+    (``metrics.kernels_line``); '' when none. Under a text or Markdown
     table; `fedmpi report --format csv` puts it on stderr, to keep the CSV pure."""
     keys = confounds(runs, _keys(runs, group_by))
     lines = [f"also differ: {', '.join(keys)}"] if keys else []
-    return "\n".join(lines + ([posthoc] if (posthoc := posthoc_line(runs)) else []))
+    lines += [line for line in (posthoc_line(runs), kernels_line(runs)) if line]
+    return "\n".join(lines)
 
 
 def _replicas(rows, keys, show_status) -> list[str]:
