@@ -127,5 +127,10 @@ def test_a_table_over_runs_on_other_kernels_names_them(tmp_path):
     d = run("d.h5", 3, epyc, resumed=xeon)
     assert f"kernels differ: {epyc} (1 of 2 runs), {epyc} + {xeon} (1 of 2 runs)" in fedmpi(
         ["report", a, d], check=True).stdout.splitlines()
-    for same in ([a, b], [a, run("e.h5", 4)]):
+    # a run from before the CPU's model was recorded: compared by instruction set only
+    old, avx2 = run("f.h5", 5, "cpu AVX512"), run("g.h5", 6, "cpu AVX2 on AMD EPYC 7763")
+    assert (f"kernels differ: cpu AVX2 on AMD EPYC 7763 (1 of 3 runs), cpu AVX512 (1 of 3 "
+            f"runs), {xeon} (1 of 3 runs)") in fedmpi(["report", old, c, avx2]).stdout.splitlines()
+    assert "kernels differ: cpu AVX512 (1 of 3 runs), " in fedmpi(["report", old, a, c]).stdout
+    for same in ([a, b], [a, run("e.h5", 4)], [old, a], [old, c]):
         assert "kernels differ" not in fedmpi(["report", *same], check=True).stdout

@@ -288,16 +288,24 @@ def kernels_line(runs) -> str:
     """``kernels differ: cpu AVX512 on AMD EPYC (20 of 51 runs), ...``: where the runs'
     ranks ran other kernels (``schema.kernels_by_kind``, over each run's start and
     resumes), which set the last bits; a chaotic method can end points apart on two kinds.
-    '' when they agree, and runs that recorded none are left out."""
-    counts: dict[str, int] = {}
+    '' when they agree, and runs that recorded none are left out. A run from before the
+    CPU's model was recorded ("cpu AVX512") differs from the others only by its instruction
+    set, as a resume compares them (``schema.kernels_changed``)."""
+    per_run = []
     for run in runs:
         tables = [run.attrs.get("ranks")] + [r.get("ranks") for r in run.attrs.get("resumes") or []]
-        kinds = sorted({kind for table in tables if isinstance(table, list)
-                        for kind in schema.kernels_by_kind(table)})
-        if kinds:
-            counts[" + ".join(kinds)] = counts.get(" + ".join(kinds), 0) + 1
+        kinds = frozenset(kind for table in tables if isinstance(table, list)
+                          for kind in schema.kernels_by_kind(table))
+        per_run += [kinds] if kinds else []
+    isas = {frozenset(k.split(" on ")[0] for k in kinds) for kinds in per_run}
+    known = {kinds for kinds in per_run if not any(schema.no_cpu_model(k) for k in kinds)}
+    if len(isas) < 2 and len(known) < 2:
+        return ""
+    counts: dict[str, int] = {}
+    for kinds in per_run:
+        counts[" + ".join(sorted(kinds))] = counts.get(" + ".join(sorted(kinds)), 0) + 1
     parts = [f"{kind} ({n} of {len(runs)} runs)" for kind, n in sorted(counts.items())]
-    return "kernels differ: " + ", ".join(parts) if len(parts) > 1 else ""
+    return "kernels differ: " + ", ".join(parts)
 
 
 def summary(run, at=(), targets=(), smooth: float | None = None, windows=(),

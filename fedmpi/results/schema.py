@@ -116,9 +116,14 @@ def kernels_changed(before: list[dict], after: list[dict]) -> bool:
     was, now = set(kernels_by_kind(before)), set(kernels_by_kind(after))
     if not was or not now:
         return False
-    if any(k.startswith("cpu ") and " on " not in k for k in was | now):
+    if any(no_cpu_model(k) for k in was | now):
         was, now = ({k.split(" on ")[0] for k in kinds} for kinds in (was, now))
     return was != now
+
+
+def no_cpu_model(kind: str) -> bool:
+    """A CPU's kernels recorded before the CPU's model was ("cpu AVX512")."""
+    return kind.startswith("cpu ") and " on " not in kind
 
 
 def ranks_text(ranks: list[int]) -> str:
