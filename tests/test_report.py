@@ -106,7 +106,7 @@ def test_summary_names_the_ranks_and_the_kernels_they_ran(tmp_path):
 
 
 def test_a_table_over_runs_on_other_kernels_names_them(tmp_path):
-    """The same deterministic config ended 18-22 kNN points apart on two AVX-512 CPUs (a
+    """The same deterministic config ended 18-23 kNN points apart on two AVX-512 CPUs (a
     chaotic self-supervised run): a table that mixes them says under it which runs ran on
     which kernels, a resume onto others included; runs on one kind, and runs that recorded
     none, add nothing."""

@@ -98,7 +98,7 @@ def test_rank_table_names_roles_and_devices():
 def test_kernels_name_the_cpu_instruction_set_torch_dispatches_on_and_the_cpu_model():
     """The instruction set alone does not decide the bits: two AVX-512 machines, both
     labelled "cpu AVX512", ended the same deterministic 100-round run of FedU^2 (the same
-    commit and torch) 18-22 points of kNN apart (MKL dispatches by vendor, oneDNN by AMX
+    commit and torch) 18-23 points of kNN apart (MKL dispatches by vendor, oneDNN by AMX
     and the cache sizes). The CPU's model now stands beside the instruction set."""
     model = cpu_model()
     isa = torch.backends.cpu.get_cpu_capability()
