@@ -29,6 +29,7 @@ Every function takes a ``Run`` or a plain dict of round columns (``RunFile.round
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import numpy as np
 
@@ -297,13 +298,11 @@ def kernels_line(runs) -> str:
         kinds = frozenset(kind for table in tables if isinstance(table, list)
                           for kind in schema.kernels_by_kind(table))
         per_run += [kinds] if kinds else []
-    isas = {frozenset(k.split(" on ")[0] for k in kinds) for kinds in per_run}
-    known = {kinds for kinds in per_run if not any(schema.no_cpu_model(k) for k in kinds)}
+    isas = {frozenset(map(schema.instruction_set, kinds)) for kinds in per_run}
+    known = {kinds for kinds in per_run if not any(map(schema.no_cpu_model, kinds))}
     if len(isas) < 2 and len(known) < 2:
         return ""
-    counts: dict[str, int] = {}
-    for kinds in per_run:
-        counts[" + ".join(sorted(kinds))] = counts.get(" + ".join(sorted(kinds)), 0) + 1
+    counts = Counter(" + ".join(sorted(kinds)) for kinds in per_run)
     parts = [f"{kind} ({n} of {len(runs)} runs)" for kind, n in sorted(counts.items())]
     return "kernels differ: " + ", ".join(parts)
 

@@ -117,13 +117,18 @@ def kernels_changed(before: list[dict], after: list[dict]) -> bool:
     if not was or not now:
         return False
     if any(no_cpu_model(k) for k in was | now):
-        was, now = ({k.split(" on ")[0] for k in kinds} for kinds in (was, now))
+        was, now = ({instruction_set(k) for k in kinds} for kinds in (was, now))
     return was != now
 
 
 def no_cpu_model(kind: str) -> bool:
     """A CPU's kernels recorded before the CPU's model was ("cpu AVX512")."""
     return kind.startswith("cpu ") and " on " not in kind
+
+
+def instruction_set(kind: str) -> str:
+    """A kind of kernels without the CPU's model: "cpu AVX512" (a GPU's model as it is)."""
+    return kind.split(" on ")[0]
 
 
 def ranks_text(ranks: list[int]) -> str:

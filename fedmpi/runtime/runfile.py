@@ -147,7 +147,7 @@ def resume_file(exp, dataset, ranks) -> bool:
     # else the first start's; files from before either was recorded have none)
     starts = [attrs] + history
     torches = [v for v in (r.get("torch_version") for r in starts) if v]
-    tables = [table for table in (r.get("ranks") or [] for r in starts) if _kernels(table)]
+    tables = [t for t in (r.get("ranks") or [] for r in starts) if schema.kernels_by_kind(t)]
     changes = []   # (what computed the rounds so far, what computes them now)
     if torches and torches[-1] != torch.__version__:
         changes.append((f"torch {torches[-1]}", f"torch {torch.__version__}"))
